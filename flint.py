@@ -1,0 +1,461 @@
+"""Flint (RecursiveSI/flint), the whole model in plain PyTorch, readable top to bottom.
+
+Flint is a 39.8B-parameter mixture-of-experts decoder with 2.5B parameters active per token: 49 layers of
+attention with learned per-head sinks, hybrid sliding-window (513 keys) and full attention (full layers use no
+RoPE), a dense SwiGLU MLP on the first two layers and 256 sigmoid-routed experts (top-6) plus an ungated shared
+expert on the others. The numbers, and every rounding rule below, come from ../shared/flint-spec.md (cited as §n);
+the config keys are those of the HF `config.json` (transformers `FlintConfig`).
+
+Numerics follow the spec's "serving reference" (§2.8): bf16 weights and activations, fp32 norm statistics,
+softmax, sinks, router scores and lm_head. In float32 every rounding to the model dtype is a no-op, which is how
+the tests compare this file with HF transformers to 1e-4.
+
+Each op has a plain-torch reference (`*_ref`), the spec of the Triton kernels in kernels.py, which slot in beside
+it with the same signature.
+
+Shape legend: B batch, T new tokens, S cache slots, H query heads (32), G kv heads (4), D head dim (128),
+C hidden (2048), F dense MLP width (6144), E experts (256), A active experts per token (6), I expert width (512),
+V vocab (150144), N = B*T flattened tokens.
+"""
+import copy
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class Config:
+    """The keys of Flint's config.json, with the published defaults (§1). Validated in __post_init__."""
+    vocab_size: int = 150144
+    hidden_size: int = 2048
+    intermediate_size: int = 6144            # dense MLP width (layers in mlp_only_layers)
+    num_hidden_layers: int = 49
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 4
+    head_dim: int = 128                      # never hidden_size // num_attention_heads (= 64)
+    moe_intermediate_size: int = 512         # width of one routed expert
+    shared_expert_intermediate_size: int = 1024
+    num_experts: int = 256
+    num_experts_per_tok: int = 6
+    norm_topk_prob: bool = True              # renormalize the top-k sigmoid scores to sum to one
+    mlp_only_layers: list = field(default_factory=lambda: [0, 1])
+    decoder_sparse_step: int = 1             # layer i is MoE iff i not in mlp_only_layers and (i+1) % step == 0
+    layer_types: list | None = None          # "sliding_attention" | "full_attention" per layer
+    no_rope_layer_indices: list | None = None  # absent in transformers-saved configs: the full layers
+    sliding_window: int = 513                # keys visible on sliding layers, current token included
+    rope_parameters: dict | None = None      # transformers 5.x: {"rope_type": "default", "rope_theta": ...}
+    rope_theta: float | None = None          # older configs; resolved from rope_parameters when absent
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 262144
+
+    def __post_init__(self):
+        L = self.num_hidden_layers
+        if self.layer_types is None:  # HF rule: full on the first two layers, every fourth from 1, and the last
+            self.layer_types = ["full_attention" if i < 2 or i % 4 == 1 or i == L - 1 else "sliding_attention"
+                                for i in range(L)]
+        self.layer_types = list(self.layer_types)
+        if len(self.layer_types) != L or set(self.layer_types) - {"full_attention", "sliding_attention"}:
+            raise ValueError(f"config: layer_types must list 'full_attention' or 'sliding_attention' for each of the "
+                             f"{L} layers, found {self.layer_types}")
+        full = [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+        if self.no_rope_layer_indices is None:
+            self.no_rope_layer_indices = full
+        if sorted(self.no_rope_layer_indices) != full:
+            raise ValueError(f"config: no_rope_layer_indices {self.no_rope_layer_indices} differ from the "
+                             f"full-attention layers {full}; Flint rotates exactly the sliding layers")
+        # RoPE: only the default type; theta is read from the checkpoint, never assumed (§1)
+        rp = self.rope_parameters or {}
+        if rp.get("rope_type", "default") != "default" or set(rp) - {"rope_type", "rope_theta"}:
+            raise ValueError(f"config: rope_parameters {rp} is not supported; Flint uses rope_type 'default' with "
+                             f"no scaling")
+        theta = rp.get("rope_theta", self.rope_theta)
+        if theta is None:
+            raise ValueError("config: no rope_theta in rope_parameters or at the top level; add the checkpoint's "
+                             "value to config.json")
+        if self.rope_theta is not None and theta != self.rope_theta:
+            raise ValueError(f"config: rope_parameters.rope_theta {theta} differs from rope_theta {self.rope_theta}")
+        self.rope_theta = float(theta)
+        checks = [
+            (self.num_attention_heads % self.num_key_value_heads == 0,
+             f"num_attention_heads {self.num_attention_heads} must be a multiple of num_key_value_heads "
+             f"{self.num_key_value_heads}"),
+            (self.head_dim % 2 == 0, f"head_dim {self.head_dim} must be even for RoPE"),
+            (0 < self.num_experts_per_tok <= self.num_experts,
+             f"num_experts_per_tok {self.num_experts_per_tok} must be in 1..num_experts {self.num_experts}"),
+            (all(0 <= i < L for i in self.mlp_only_layers), f"mlp_only_layers {self.mlp_only_layers} out of range"),
+            (self.decoder_sparse_step >= 1, f"decoder_sparse_step {self.decoder_sparse_step} must be >= 1"),
+            (self.sliding_window >= 1, f"sliding_window {self.sliding_window} must be >= 1"),
+            (not self.tie_word_embeddings, "tie_word_embeddings is true, but Flint's lm_head is untied"),
+            (min(self.vocab_size, self.hidden_size, L, self.max_position_embeddings) > 0, "sizes must be positive"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"config: {msg}")
+
+    def is_moe(self, i):
+        return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    def is_sliding(self, i):
+        return self.layer_types[i] == "sliding_attention"
+
+
+# -----------------------------------------------------------------------------
+# Reference math: each function is the spec of one kernel
+
+
+def linear_ref(x, w):
+    """y = x @ w^T with the model dtype's GEMM (bf16 in, fp32 accumulate, bf16 out)."""
+    return F.linear(x, w)
+
+
+def add_rms_norm_ref(x, dx, w, eps):
+    """Residual add + RMSNorm (§2.2): s = f32(x) + f32(dx); returns (bf16(s), bf16(s * rsqrt(mean s^2 + eps) * w)).
+
+    The norm reads the unrounded fp32 sum (serving reference; HF eager adds in bf16 first). dx=None: no add.
+    The weight multiplies directly: no (1 + w)."""
+    s = x.float() if dx is None else x.float() + dx.float()
+    y = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+    return s.to(x.dtype), y.to(x.dtype)
+
+
+def rms_norm_ref(x, w, eps):
+    return add_rms_norm_ref(x, None, w, eps)[1]
+
+
+def rope_inv_freq(cfg):
+    """inv_freq[i] = 1 / theta^(2i/D) in fp32, computed like HF (§2.3.3)."""
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
+
+
+def rope_ref(x, pos, inv_freq):
+    """NeoX RoPE over all D dims, pairs (i, i + D/2): x [B, T, n, D], pos [B, T] absolute positions.
+
+    cos/sin and the rotation are fp32 with one rounding at the end (serving; HF rounds cos/sin to bf16)."""
+    ang = pos.float()[..., None] * inv_freq                               # [B, T, D/2]
+    cos, sin = ang.cos()[:, :, None, :], ang.sin()[:, :, None, :]         # [B, T, 1, D/2]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def sink_attention_ref(q, k, v, sinks, q_pos, k_pos, window):
+    """Attention with learned sinks over keys identified by their absolute positions (§2.3.4-7).
+
+    q [B, T, H, D]; k, v [B, S, G, D]; sinks [H] fp32; q_pos [B, T]; k_pos [B, S] with -1 for an empty slot;
+    window = keys visible including the current one (513), or 0 for full attention. Returns [B, T, H, D].
+    Key j is visible to query i iff 0 <= k_pos[j] <= q_pos[i] and q_pos[i] - k_pos[j] < window. The sink is one
+    extra logit per head, in the units of the scaled score, that adds to the softmax denominator and attends to
+    nothing. Serving numerics: fp32 scores and softmax, unnormalized P rounded to the model dtype for P @ V with an
+    fp32 row sum, and the divide last."""
+    B, T, H, D = q.shape
+    G = k.shape[2]
+    qf = q.float().view(B, T, G, H // G, D)                                # query head h reads kv head h // (H/G)
+    s = torch.einsum("btgrd,bsgd->bgrts", qf, k.float()) * D ** -0.5     # [B, G, H/G, T, S]
+    dist = q_pos[:, :, None] - k_pos[:, None, :]                         # [B, T, S]
+    visible = (k_pos[:, None, :] >= 0) & (dist >= 0)
+    if window:
+        visible &= dist < window
+    s = s.masked_fill(~visible[:, None, None], float("-inf"))
+    sink = sinks.float().view(1, G, H // G, 1, 1)
+    m = torch.maximum(s.amax(-1, keepdim=True), sink)                   # the sink is finite: m is never -inf
+    p = torch.exp(s - m)
+    l = p.sum(-1, keepdim=True) + torch.exp(sink - m)                    # [B, G, H/G, T, 1]
+    o = torch.einsum("bgrts,bsgd->btgrd", p.to(v.dtype).float(), v.float()) / l.permute(0, 3, 1, 2, 4)
+    return o.reshape(B, T, H, D).to(q.dtype)
+
+
+def swiglu_ref(gate_up):
+    """act = silu(g) * u in fp32, one rounding (§2.4); gate_up [..., 2I] with the gate half first."""
+    g, u = gate_up.float().chunk(2, dim=-1)
+    return (g / (1 + torch.exp(-g)) * u).to(gate_up.dtype)
+
+
+def mlp_ref(x, gate_up, down):
+    """Dense SwiGLU MLP (layers 0-1, and the shared expert): down(silu(gate x) * up x). x [N, C]."""
+    return linear_ref(swiglu_ref(linear_ref(x, gate_up)), down)
+
+
+def route_ref(x, router, top_k, norm_topk_prob):
+    """Sigmoid top-k routing (§2.5.1-4): x [N, C] -> weights [N, A] (model dtype), experts [N, A] (int64).
+
+    The router GEMM runs in the model dtype (serving; HF uses fp32). Experts are selected on the logits (sigmoid is
+    monotone, and fp32 sigmoid saturates to 1.0, creating false ties); ties go to the lowest expert index, which a
+    stable descending sort guarantees and torch.topk does not."""
+    logits = linear_ref(x, router).float()                               # [N, E]
+    experts = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]  # [N, A]
+    w = torch.sigmoid(logits.gather(-1, experts))                       # [N, A] fp32
+    if norm_topk_prob:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w.to(x.dtype), experts
+
+
+def experts_ref(x, weights, experts, gate_up, down):
+    """Routed experts (§2.5.5-6): x [N, C], weights/experts [N, A], gate_up [E, 2I, C], down [E, C, I] -> [N, C].
+
+    gate/up stay fp32 accumulators, act = bf16(silu(g) * u), y_e = bf16(down_e act); the routing weights apply
+    after the down projection, summed in fp32 with one rounding."""
+    N, C = x.shape
+    out = torch.zeros(N, C, dtype=torch.float, device=x.device)
+    for e in experts.unique().tolist():                                  # the oracle: a plain loop over experts
+        n, a = (experts == e).nonzero(as_tuple=True)                     # tokens routed to e, and in which slot
+        h = F.linear(x[n].float(), gate_up[e].float())                   # [n, 2I] fp32 accumulators
+        g, u = h.chunk(2, dim=-1)
+        act = (g / (1 + torch.exp(-g)) * u).to(x.dtype)
+        y = linear_ref(act, down[e])                                     # [n, C]
+        out.index_add_(0, n, weights[n, a, None].float() * y.float())
+    return out.to(x.dtype)
+
+
+def moe_ref(x, router, gate_up, down, shared_gate_up, shared_down, top_k, norm_topk_prob):
+    """The MoE block: routed experts plus the ungated shared expert, out = bf16(f32(routed) + f32(shared))."""
+    weights, experts = route_ref(x, router, top_k, norm_topk_prob)
+    routed = experts_ref(x, weights, experts, gate_up, down)
+    shared = mlp_ref(x, shared_gate_up, shared_down)
+    return (routed.float() + shared.float()).to(x.dtype)
+
+
+def lm_head_ref(x, w):
+    """Untied lm_head in fp32 (§2.6): bf16 hidden times the fp32-upcast weight, fp32 accumulation, fp32 logits."""
+    return F.linear(x.float(), w.float())
+
+
+# -----------------------------------------------------------------------------
+# Modules: parameters are plain tensors named after what they hold; load.py fills them
+
+
+def _param(*shape, dtype, device):
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer, dtype, device):
+        super().__init__()
+        H, G, D, C = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        self.n_heads, self.n_kv_heads, self.head_dim, self.eps = H, G, D, cfg.rms_norm_eps
+        self.sliding = cfg.is_sliding(layer)
+        self.cache_index = sum(cfg.is_sliding(i) == self.sliding for i in range(layer))  # among layers of its kind
+        self.window = cfg.sliding_window if self.sliding else 0          # 0: full attention, no RoPE (NoPE)
+        self.qkv = _param((H + 2 * G) * D, C, dtype=dtype, device=device)  # rows: q heads, then k, then v
+        self.o = _param(C, H * D, dtype=dtype, device=device)
+        self.q_norm = _param(D, dtype=dtype, device=device)              # shared by all heads (§2.3.2)
+        self.k_norm = _param(D, dtype=dtype, device=device)
+        self.sinks = _param(H, dtype=torch.float, device=device)         # fp32 logits (self_attn.softmax_offset)
+
+    def forward(self, x, pos, inv_freq, cache):
+        B, T, C = x.shape
+        H, G, D = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = linear_ref(x, self.qkv).split([H * D, G * D, G * D], dim=-1)
+        q = rms_norm_ref(q.view(B, T, H, D), self.q_norm, self.eps)       # per head, rounded before RoPE
+        k = rms_norm_ref(k.view(B, T, G, D), self.k_norm, self.eps)
+        v = v.view(B, T, G, D)
+        if self.sliding:
+            q, k = rope_ref(q, pos, inv_freq), rope_ref(k, pos, inv_freq)
+        if cache is None:                                                # no cache: attend within the new tokens
+            ks, vs, k_pos = k, v, pos
+        else:
+            ks, vs, k_pos = cache.update(self.sliding, self.cache_index, k, v, pos)
+        o = sink_attention_ref(q, ks, vs, self.sinks, pos, k_pos, self.window)  # [B, T, H, D]
+        return linear_ref(o.reshape(B, T, H * D), self.o)
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU (mlp_only_layers)."""
+
+    def __init__(self, cfg, dtype, device):
+        super().__init__()
+        F_, C = cfg.intermediate_size, cfg.hidden_size
+        self.gate_up = _param(2 * F_, C, dtype=dtype, device=device)     # rows: gate, then up
+        self.down = _param(C, F_, dtype=dtype, device=device)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        return mlp_ref(x.view(B * T, C), self.gate_up, self.down).view(B, T, C)
+
+
+class MoE(nn.Module):
+    """256 sigmoid-routed SwiGLU experts, top-6, plus one ungated shared expert that is always added."""
+
+    def __init__(self, cfg, dtype, device):
+        super().__init__()
+        E, I, S, C = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.hidden_size
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.router = _param(E, C, dtype=dtype, device=device)           # mlp.gate.weight
+        self.gate_up = _param(E, 2 * I, C, dtype=dtype, device=device)   # per expert: gate rows, then up rows
+        self.down = _param(E, C, I, dtype=dtype, device=device)
+        self.shared_gate_up = _param(2 * S, C, dtype=dtype, device=device)
+        self.shared_down = _param(C, S, dtype=dtype, device=device)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        y = moe_ref(x.view(B * T, C), self.router, self.gate_up, self.down, self.shared_gate_up, self.shared_down,
+                    self.top_k, self.norm_topk_prob)
+        return y.view(B, T, C)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, layer, dtype, device):
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.attn_norm = _param(cfg.hidden_size, dtype=dtype, device=device)  # input_layernorm
+        self.attn = Attention(cfg, layer, dtype, device)
+        self.ffn_norm = _param(cfg.hidden_size, dtype=dtype, device=device)   # post_attention_layernorm
+        self.ffn = MoE(cfg, dtype, device) if cfg.is_moe(layer) else MLP(cfg, dtype, device)
+
+    def forward(self, x, dx, pos, inv_freq, cache):
+        # The residual stream is x + dx; each norm adds the pending dx in fp32 first (§2.2), so a block is
+        # x = x + attn(norm(x)); x = x + ffn(norm(x)) with the additions fused into the norms.
+        x, h = add_rms_norm_ref(x, dx, self.attn_norm, self.eps)
+        dx = self.attn(h, pos, inv_freq, cache)
+        x, h = add_rms_norm_ref(x, dx, self.ffn_norm, self.eps)
+        return x, self.ffn(h)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg, dtype=torch.bfloat16, device="cpu"):
+        super().__init__()
+        self.cfg = cfg
+        V, C = cfg.vocab_size, cfg.hidden_size
+        self.embed = _param(V, C, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(Block(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers))
+        self.norm = _param(C, dtype=dtype, device=device)
+        self.lm_head = _param(V, C, dtype=dtype, device=device)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+
+    @property
+    def dtype(self):
+        return self.embed.dtype
+
+    @property
+    def device(self):
+        return self.embed.device
+
+    @torch.inference_mode()
+    def forward(self, ids, pos, cache=None, last_only=False):
+        """ids, pos [B, T] (absolute positions, on the device) -> fp32 logits [B, T, V] ([B, 1, V] if last_only).
+
+        With a cache, the new tokens' keys and values are written into it and attention sees everything cached;
+        without one, the T tokens attend only to each other (a full recompute)."""
+        x, dx = self.embed[ids], None                                    # [B, T, C]
+        for block in self.layers:
+            x, dx = block(x, dx, pos, self.inv_freq, cache)
+        if cache is not None:
+            cache.advance(pos)
+        if last_only:
+            x, dx = x[:, -1:], dx[:, -1:]
+        _, h = add_rms_norm_ref(x, dx, self.norm, self.cfg.rms_norm_eps)
+        return lm_head_ref(h, self.lm_head)                              # [B, T, V] fp32
+
+
+def init_random(model, seed=0, std=0.02):
+    """Random weights (the offline tiny demo, tests and benchmarks): N(0, std) matrices, unit norms, O(1) sinks."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm"):
+            p.data.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+        elif name.endswith("sinks"):
+            p.data.copy_(torch.randn(p.shape, generator=g))
+        else:
+            p.data.copy_(std * torch.randn(p.shape, generator=g))
+    return model
+
+
+# -----------------------------------------------------------------------------
+# KV cache
+
+
+class KVCache:
+    """Static K/V cache for B sequences, allocated once (§3).
+
+    Full-attention layers hold every position: slot = position, k/v [B, S, G, D] with S = max_seq_len.
+    Sliding layers hold a ring of W = min(sliding_window, S) slots: position p lives in slot p % W, overwritten
+    W positions later. K is stored after q/k-norm and RoPE, V raw. `full_pos` / `ring_pos` [B, S] / [B, W] hold
+    the position stored in each slot (-1 = empty); attention masks by stored position, never by slot order, and
+    since all layers of a kind write the same positions, one table per kind serves all of them.
+
+    A forward of T tokens writes and reads layer by layer through update(); advance() then records the new
+    positions once for all layers."""
+
+    def __init__(self, cfg, batch_size, max_seq_len, dtype, device):
+        G, D = cfg.num_key_value_heads, cfg.head_dim
+        self.max_seq_len, self.window = max_seq_len, min(cfg.sliding_window, max_seq_len)
+        n_full = sum(not cfg.is_sliding(i) for i in range(cfg.num_hidden_layers))
+        n_ring = cfg.num_hidden_layers - n_full
+        self.full_k = torch.zeros(n_full, batch_size, max_seq_len, G, D, dtype=dtype, device=device)
+        self.full_v = torch.zeros_like(self.full_k)
+        self.ring_k = torch.zeros(n_ring, batch_size, self.window, G, D, dtype=dtype, device=device)
+        self.ring_v = torch.zeros_like(self.ring_k)
+        self.full_pos = torch.full((batch_size, max_seq_len), -1, dtype=torch.long, device=device)
+        self.ring_pos = torch.full((batch_size, self.window), -1, dtype=torch.long, device=device)
+        self.batch = torch.arange(batch_size, device=device)[:, None]    # [B, 1] row index for scattered writes
+        self.reset()
+
+    @property
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for t in (self.full_k, self.full_v, self.ring_k, self.ring_v))
+
+    def reset(self):
+        self.full_pos.fill_(-1)
+        self.ring_pos.fill_(-1)
+
+    def row(self, b):
+        """The cache of sequence b alone, sharing storage: prompts of different lengths prefill one at a time."""
+        view = copy.copy(self)
+        view.full_k, view.full_v = self.full_k[:, b:b + 1], self.full_v[:, b:b + 1]
+        view.ring_k, view.ring_v = self.ring_k[:, b:b + 1], self.ring_v[:, b:b + 1]
+        view.full_pos, view.ring_pos, view.batch = self.full_pos[b:b + 1], self.ring_pos[b:b + 1], self.batch[:1]
+        return view
+
+    def update(self, sliding, i, k, v, pos):
+        """Store k, v [B, T, G, D] at positions pos [B, T] in layer i of its kind; return the keys, values
+        [B, S', G, D] and their positions [B, S'] that these T queries attend over."""
+        if not sliding:
+            self.full_k[i][self.batch, pos] = k
+            self.full_v[i][self.batch, pos] = v
+            return self.full_k[i], self.full_v[i], self.full_pos.scatter(1, pos, pos)
+        # Sliding: a query needs up to W-1 earlier keys, some of which this chunk's own writes would overwrite,
+        # so attend over the ring as it was plus the chunk, then keep the chunk's last W tokens.
+        ks, vs = torch.cat([self.ring_k[i], k], 1), torch.cat([self.ring_v[i], v], 1)
+        k_pos = torch.cat([self.ring_pos, pos], 1)
+        W = self.window
+        self.ring_k[i][self.batch, pos[:, -W:] % W] = k[:, -W:]
+        self.ring_v[i][self.batch, pos[:, -W:] % W] = v[:, -W:]
+        return ks, vs, k_pos
+
+    def advance(self, pos):
+        """After all layers have stored positions pos [B, T]: record them in the position tables."""
+        W = self.window
+        self.full_pos.scatter_(1, pos, pos)
+        self.ring_pos.scatter_(1, pos[:, -W:] % W, pos[:, -W:])
+
+
+# -----------------------------------------------------------------------------
+# Sampling: pure and sync-free, so it can run inside a CUDA graph
+
+
+def logits_to_probs(logits, temperature=1.0, top_k=0, top_p=1.0):
+    """fp32 logits [B, V] -> probabilities [B, V] after temperature, top-k (0 = off) and top-p (1.0 = off)."""
+    logits = logits / max(temperature, 1e-5)
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]           # [B, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        p, idx = torch.sort(probs, dim=-1, descending=True)
+        drop = (p.cumsum(-1) - p) > top_p                                # keep the smallest prefix reaching top_p
+        probs = probs.scatter(-1, idx, p.masked_fill(drop, 0.0))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(logits, temperature=1.0, top_k=0, top_p=1.0):
+    """Next token ids [B] from fp32 logits [B, V]. Temperature 0 is greedy; otherwise the exponential race
+    argmax(p / Exp(1)) draws from p without a host sync (gpt-fast, nano-vllm)."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = logits_to_probs(logits, temperature, top_k, top_p)
+    return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1)

@@ -1,0 +1,148 @@
+"""Generate text with Flint: python generate.py --checkpoint RecursiveSI/flint --prompt "Hello"
+
+Only the generated text goes to stdout (so it pipes); one stats line goes to stderr.
+"""
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+import flint
+import load
+
+
+@torch.inference_mode()
+def generate(model, cache, prompts, max_new_tokens, temperature, top_k, top_p, n_vocab=None):
+    """Prefill each prompt (lists of token ids) into its row of the cache, then decode all rows together.
+
+    Yields the sampled ids [B] (a tensor on the model's device) once per step; the caller decides when to stop."""
+    B, dev = len(prompts), model.device
+    logits = []
+    for b, ids in enumerate(prompts):                                   # prompts differ in length: one at a time
+        ids_t = torch.tensor([ids], device=dev)
+        pos = torch.arange(len(ids), device=dev)[None]
+        logits.append(model(ids_t, pos, cache.row(b), last_only=True)[:, -1])
+    logits = torch.cat(logits)                                          # [B, V] fp32
+    pos = torch.tensor([[len(ids)] for ids in prompts], device=dev)     # [B, 1] next position per row
+    for step in range(max_new_tokens):
+        if n_vocab is not None and n_vocab < logits.shape[-1]:
+            logits[:, n_vocab:] = float("-inf")                         # ids the tokenizer cannot decode
+        tok = flint.sample(logits, temperature, top_k, top_p)           # [B]
+        yield tok
+        if step + 1 < max_new_tokens:
+            logits = model(tok[:, None], pos, cache)[:, -1]
+            pos += 1
+
+
+def read_prompts(args):
+    if args.prompt_file:
+        text = sys.stdin.read() if args.prompt_file == "-" else open(args.prompt_file, encoding="utf-8").read()
+        prompts = [line for line in text.splitlines() if line.strip()]  # one prompt per line, decoded as a batch
+    else:
+        prompts = [sys.stdin.read() if args.prompt == "-" else args.prompt]
+    if not prompts:
+        raise ValueError("no prompt: --prompt-file holds no non-empty line")
+    return prompts
+
+
+def main(args):
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    prompts = read_prompts(args)
+    ckpt = load.load(args.checkpoint, device, dtype)
+    model, tok, cfg = ckpt.model, ckpt.tokenizer, ckpt.model.cfg
+    sampling = {k: getattr(args, k) if getattr(args, k) is not None else ckpt.sampling[k]
+                for k in ("temperature", "top_k", "top_p")}
+    if args.chat:
+        if ckpt.chat_template is None:
+            raise ValueError(f"--chat: checkpoint {ckpt.name} has no chat template (chat_template.jinja or "
+                             f"tokenizer_config.json); drop --chat to send the raw prompt")
+        prompts = [load.render_chat(ckpt.chat_template, [{"role": "user", "content": p}], tokenizer=tok)
+                   for p in prompts]
+    ids = [tok.encode(p) for p in prompts]
+    max_seq_len = args.max_seq_len or cfg.max_position_embeddings
+    longest = max(len(i) for i in ids)
+    if longest == 0:
+        raise ValueError("the prompt is empty after tokenization; give at least one token of text")
+    if max_seq_len > cfg.max_position_embeddings:
+        raise ValueError(f"--max-seq-len {max_seq_len} exceeds the model's context of {cfg.max_position_embeddings} "
+                         f"tokens (max_position_embeddings); lower it")
+    if longest + args.max_new_tokens > max_seq_len:
+        raise ValueError(f"prompt ({longest} tokens) + --max-new-tokens {args.max_new_tokens} exceeds --max-seq-len "
+                         f"{max_seq_len}; raise --max-seq-len (at most {cfg.max_position_embeddings}) or shorten the "
+                         f"prompt or the output")
+    # The cache holds what this run can reach, not the model's whole context
+    cache = flint.KVCache(cfg, len(ids), min(max_seq_len, longest + args.max_new_tokens), dtype, device)
+
+    stream = len(ids) == 1 and not args.json
+    decoder = load.StreamDecoder(tok)
+    out = [[] for _ in ids]
+    t0 = time.perf_counter()
+    t_first, done = None, [False] * len(ids)
+    for t in generate(model, cache, ids, args.max_new_tokens, n_vocab=tok.n_vocab, **sampling):
+        t = t.tolist()                                                  # the only host sync per step
+        t_first = t_first or time.perf_counter()
+        for b, tb in enumerate(t):
+            if not done[b]:
+                out[b].append(tb)
+                done[b] = tb in tok.eos_ids
+        if stream and not done[0]:
+            print(decoder.push(t[0]), end="", flush=True)
+        if all(done):
+            break
+    t_end = time.perf_counter()
+    if stream:
+        print(decoder.flush(), flush=True)
+
+    n_prompt = sum(len(i) for i in ids)
+    n_new = sum(len(o) for o in out)
+    ttft = t_first - t0
+    decode_tps = (n_new - len(out)) / (t_end - t_first) if t_end > t_first else 0.0
+    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _host_peak()) / 2**30
+    stats = {"prompt_tokens": n_prompt, "generated_tokens": n_new, "ttft_s": round(ttft, 4),
+             "prefill_tok_s": round(n_prompt / ttft, 1), "decode_tok_s": round(decode_tps, 1),
+             "peak_memory_gib": round(peak, 2), "batch": len(ids)}
+    texts = [tok.decode([i for i in o if i not in tok.eos_ids]) for o in out]
+    if args.json:
+        for i, o, text in zip(ids, out, texts):
+            print(json.dumps({"prompt_tokens": i, "tokens": o, "text": text, "stats": stats}, ensure_ascii=False))
+    elif not stream:
+        print("\n\n".join(texts))
+    print(f"[{n_prompt} prompt tokens, {n_new} generated, batch {len(ids)} | TTFT {ttft * 1000:.0f} ms | prefill "
+          f"{stats['prefill_tok_s']:.0f} tok/s | decode {decode_tps:.1f} tok/s | peak memory {peak:.2f} GiB]",
+          file=sys.stderr)
+
+
+def _host_peak():
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
+
+
+def parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("-c", "--checkpoint", default="RecursiveSI/flint",
+                   help="checkpoint directory, HF repo id, or 'tiny' (random weights, offline)")
+    p.add_argument("-p", "--prompt", default="Hello, my name is", help="prompt text, or - to read stdin")
+    p.add_argument("--prompt-file", help="file with one prompt per line (decoded together as a batch); - = stdin")
+    p.add_argument("-n", "--max-new-tokens", type=int, default=200)
+    p.add_argument("-t", "--temperature", type=float, help="0 = greedy (default: generation_config.json, or 1.0)")
+    p.add_argument("--top-k", type=int, help="0 = off (default: generation_config.json, or 20)")
+    p.add_argument("--top-p", type=float, help="1.0 = off (default: generation_config.json, or 0.95)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", help="cuda when available, else cpu")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], help="bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--max-seq-len", type=int, help="KV cache length (default: the model's context)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object (ids, text, stats) instead of text")
+    return p
+
+
+if __name__ == "__main__":
+    args = parser().parse_args()
+    try:
+        main(args)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")

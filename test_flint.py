@@ -1,0 +1,705 @@
+"""Tests: flint.py against the transformers oracle, the KV cache, sampling, the loaders, the tokenizer and the CLI.
+
+CPU tests build tiny checkpoints themselves (no weights are downloaded); GPU tests skip without CUDA.
+Run: python -m pytest -q test_flint.py
+"""
+import copy
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tokenizers
+import torch
+from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+from tokenizers.models import BPE
+from tokenizers.trainers import BpeTrainer
+
+import flint
+import load
+from load import (BYTE_TO_CHAR, FLINT_SPLITS, TINY_CHAT_TEMPLATE, TINY_SPECIAL_TOKENS, ChatTemplateError, StreamDecoder,
+                  Tokenizer, _hf_bpe, _rebuilt_in_order, find_chat_template, render_chat)
+
+HERE = Path(__file__).parent
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# -----------------------------------------------------------------------------
+# Tiny checkpoints written by transformers itself (the oracle, spec §8)
+
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            num_experts=8, num_experts_per_tok=2, sliding_window=5, max_position_embeddings=512)
+LAYOUTS = {
+    "hf-rule": {},                                                      # full at 0, 1, 5; sliding at 2, 3, 4
+    "gqa4-top3": dict(num_attention_heads=8, num_key_value_heads=2, num_experts_per_tok=3, mlp_only_layers=[0],
+                      layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                   "sliding_attention", "full_attention", "sliding_attention"],
+                      rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+    "mha-sparse-step": dict(num_hidden_layers=4, num_key_value_heads=4, decoder_sparse_step=2, mlp_only_layers=[],
+                            num_experts_per_tok=4, sliding_window=3, norm_topk_prob=False),
+}
+
+
+def hf_model(**overrides):
+    from transformers import FlintConfig, FlintForCausalLM
+    torch.manual_seed(0)
+    config = FlintConfig(**{**TINY, **overrides})
+    config._attn_implementation = "eager"
+    model = FlintForCausalLM(config).eval()
+    with torch.no_grad():                                               # HF inits sinks N(0, 0.02): make them O(1)
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0, 1.0)
+    return model
+
+
+def save_hf(model, path, shard="60KB", tokenizer=True):
+    model.save_pretrained(path, max_shard_size=shard)
+    if tokenizer:
+        write_tokenizer(path, vocab_size=model.config.vocab_size)
+    return path
+
+
+def write_tokenizer(path, vocab_size=320, eos="<|endoftext|>"):
+    """A small byte-level BPE tokenizer.json with Flint's pre-tokenizer, trained by the tokenizers library."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = flint_pre_tokenizer()
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=[eos, "<|user|>", "<|assistant|>", "<think>", "</think>"],
+                                  show_progress=False)
+    tok.train_from_iterator(SAMPLES * 4, trainer)
+    tok.save(str(Path(path) / "tokenizer.json"))
+    (Path(path) / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+    return tok
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tmp_path_factory):
+    model = hf_model()
+    return model, save_hf(model, tmp_path_factory.mktemp("hf_tiny"))
+
+
+def flint_from(path, dtype=torch.float32, device="cpu"):
+    return load.load(str(path), device, dtype, progress=False).model
+
+
+# -----------------------------------------------------------------------------
+# The reference model against transformers
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_logits_match_transformers(layout, tmp_path):
+    hf = hf_model(**LAYOUTS[layout])
+    model = flint_from(save_hf(hf, tmp_path, shard="40KB" if layout == "hf-rule" else "10MB"))
+    T = 3 * hf.config.sliding_window + 4                                # well past the window
+    ids = torch.randint(0, hf.config.vocab_size, (2, T))
+    with torch.no_grad():
+        want = hf(ids).logits
+    got = model(ids, torch.arange(T)[None].expand(2, T))
+    assert (got - want).abs().max() <= 1e-4
+
+
+def test_bf16_close_to_transformers(hf_tiny):
+    """bf16: the serving numerics differ from HF eager by about one bf16 ulp per op (spec §2.8)."""
+    hf, path = hf_tiny
+    model = flint_from(path, torch.bfloat16)
+    ids = torch.randint(0, 320, (1, 24))
+    with torch.no_grad():
+        want = copy.deepcopy(hf).to(torch.bfloat16)(ids).logits.float()
+    got = model(ids, torch.arange(24)[None])
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+def test_cached_decode_equals_recompute(hf_tiny):
+    """Prefill then single-token steps, and chunked prefill, across several wraps of the sliding ring."""
+    model = flint_from(hf_tiny[1])
+    cfg, T = model.cfg, 29                                              # window 5: the ring wraps 5 times
+    ids = torch.randint(0, cfg.vocab_size, (2, T))
+    pos = torch.arange(T)[None].expand(2, T)
+    full = model(ids, pos)
+    cache = flint.KVCache(cfg, 2, 40, torch.float32, "cpu")
+    steps = [model(ids[:, :7], pos[:, :7], cache)] + [model(ids[:, t:t + 1], pos[:, t:t + 1], cache)
+                                                      for t in range(7, T)]
+    assert (torch.cat(steps, 1) - full).abs().max() <= 1e-5
+    cache.reset()
+    chunks = [model(ids[:, a:b], pos[:, a:b], cache) for a, b in [(0, 3), (3, 11), (11, 12), (12, T)]]
+    assert (torch.cat(chunks, 1) - full).abs().max() <= 1e-5
+
+
+def test_cache_rows_of_different_lengths(hf_tiny):
+    """Rows prefilled separately (prompts of different lengths) then decoded together equal each row alone."""
+    model = flint_from(hf_tiny[1])
+    cfg = model.cfg
+    a, b = torch.randint(0, cfg.vocab_size, (1, 13)), torch.randint(0, cfg.vocab_size, (1, 4))
+    cache = flint.KVCache(cfg, 2, 32, torch.float32, "cpu")
+    model(a[:, :-1], torch.arange(12)[None], cache.row(0))
+    model(b[:, :-1], torch.arange(3)[None], cache.row(1))
+    step = model(torch.cat([a[:, -1:], b[:, -1:]]), torch.tensor([[12], [3]]), cache)
+    assert (step[0, -1] - model(a, torch.arange(13)[None])[0, -1]).abs().max() <= 1e-5
+    assert (step[1, -1] - model(b, torch.arange(4)[None])[0, -1]).abs().max() <= 1e-5
+
+
+def test_kv_cache_size():
+    """Full Flint: 28 KiB per token on the 14 full layers, plus about 35 MiB of sliding rings (spec §3)."""
+    cfg = flint.Config(rope_theta=10000.0)
+    n = 4096
+    cache = flint.KVCache(cfg, 1, n, torch.bfloat16, "meta")
+    assert cache.full_k.shape == (14, 1, n, 4, 128) and cache.ring_k.shape == (35, 1, 513, 4, 128)
+    per_token, rings = 14 * 2 * 4 * 128 * 2, 35 * 513 * 2 * 4 * 128 * 2
+    assert per_token == 28 * 1024 and cache.nbytes == n * per_token + rings
+    assert 35 * 2**20 < rings < 36 * 2**20
+
+
+# -----------------------------------------------------------------------------
+# Reference ops
+
+
+def test_routing_ties_go_to_lowest_index():
+    router = torch.zeros(8, 4)
+    router[[1, 3, 5, 6]] = 1.0                                          # four equal best experts
+    w, e = flint.route_ref(torch.ones(2, 4), router, top_k=3, norm_topk_prob=True)
+    assert e.tolist() == [[1, 3, 5]] * 2
+    assert torch.allclose(w.sum(-1), torch.ones(2))
+
+
+def test_sink_attention_sinks_and_window():
+    """One key, sink s: the weight on the key is exp(score) / (exp(score) + exp(s)); the window hides old keys."""
+    q, k, v = torch.randn(1, 1, 2, 4), torch.randn(1, 3, 1, 4), torch.randn(1, 3, 1, 4)
+    sinks = torch.tensor([0.5, -2.0])
+    q_pos, k_pos = torch.tensor([[2]]), torch.tensor([[0, 1, 2]])
+    o = flint.sink_attention_ref(q, k, v, sinks, q_pos, k_pos, window=1)     # only the key at position 2
+    score = (q[0, 0] @ k[0, 2, 0]) / 2                                  # D = 4: scale 1/2
+    p = torch.exp(score) / (torch.exp(score) + torch.exp(sinks))        # [2] per head
+    assert torch.allclose(o[0, 0], p[:, None] * v[0, 2, 0], atol=1e-6)
+    full = flint.sink_attention_ref(q, k, v, sinks, q_pos, k_pos, window=0)
+    empty = flint.sink_attention_ref(q, k, v, sinks, q_pos, torch.full((1, 3), -1), window=0)
+    assert not torch.allclose(full, o) and empty.abs().max() == 0
+
+
+def test_sampling():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    assert flint.sample(logits, temperature=0).tolist() == [1]
+    probs = flint.logits_to_probs(logits, 1.0, top_k=2)
+    assert (probs[0, [0, 2]] == 0).all() and torch.allclose(probs.sum(), torch.tensor(1.0))
+    probs = flint.logits_to_probs(logits, 1.0, top_p=0.5)              # the top token alone holds 64%
+    assert probs[0].tolist() == [0.0, 1.0, 0.0, 0.0]
+    torch.manual_seed(0)
+    draws = flint.sample(logits.expand(4000, 4), 1.0)
+    freq = torch.bincount(draws, minlength=4).float() / draws.numel()
+    assert torch.allclose(freq, torch.softmax(logits[0], -1), atol=0.03)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="rope_theta"):
+        flint.Config()
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        flint.Config(rope_theta=1e4, num_attention_heads=6, num_key_value_heads=4)
+    with pytest.raises(ValueError, match="no_rope_layer_indices"):
+        flint.Config(rope_theta=1e4, no_rope_layer_indices=[])
+    with pytest.raises(ValueError, match="layer_types"):
+        flint.Config(rope_theta=1e4, layer_types=["sliding_attention"] * 3)
+    with pytest.raises(ValueError, match="not supported"):
+        flint.Config(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
+    assert flint.Config(rope_theta=1e4).no_rope_layer_indices == [0, 1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 48]
+
+
+# -----------------------------------------------------------------------------
+# Loader errors: each bad input names what is wrong
+
+
+def _edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k)
+        else:
+            cfg[k] = v
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.fixture
+def ckpt_copy(hf_tiny, tmp_path):
+    import shutil
+    return Path(shutil.copytree(hf_tiny[1], tmp_path / "ckpt"))
+
+
+def test_error_missing_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load.load(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load.load(str(tmp_path))
+
+
+def test_error_not_cached_offline(monkeypatch):
+    pytest.importorskip("huggingface_hub")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", "/nonexistent-flint-test-cache")
+    with pytest.raises(FileNotFoundError, match="huggingface-cli download"):
+        load.resolve_checkpoint("RecursiveSI/not-a-real-flint")
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(model_type="llama"), "model_type is 'llama'"),
+    (dict(num_experts=None), r"missing keys \['num_experts'\]"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(hidden_size=128), "has shape"),
+    (dict(num_hidden_layers=7), "layer_types"),
+    (dict(rope_parameters=None), "rope_theta"),
+])
+def test_error_bad_config(ckpt_copy, change, message):
+    _edit_config(ckpt_copy, **change)
+    with pytest.raises(ValueError, match=message):
+        load.load(str(ckpt_copy), progress=False)
+
+
+def _rewrite_tensors(path, fn):
+    """Apply fn to the tensor dict of every shard (fn edits it in place)."""
+    from safetensors.torch import load_file, save_file
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = load_file(path / shard)
+        fn(tensors)
+        save_file(tensors, path / shard, metadata={"format": "pt"})
+        for name in tensors:
+            index["weight_map"][name] = shard
+    index["weight_map"] = {n: s for n, s in index["weight_map"].items()
+                           if n in load_file(path / s)}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_error_missing_tensor(ckpt_copy):
+    _rewrite_tensors(ckpt_copy, lambda t: t.pop("model.layers.3.mlp.experts.5.up_proj.weight", None))
+    with pytest.raises(ValueError, match=r"model.layers.3.mlp.experts.5.up_proj.weight .* missing"):
+        load.load(str(ckpt_copy), progress=False)
+
+
+def test_error_unexpected_tensor(ckpt_copy):
+    _rewrite_tensors(ckpt_copy, lambda t: t.update({"model.layers.2.mlp.gate.e_score_correction_bias": torch.zeros(8)})
+                     if "model.layers.2.mlp.gate.weight" in t else None)
+    with pytest.raises(ValueError, match="unexpected tensors.*e_score_correction_bias"):
+        load.load(str(ckpt_copy), progress=False)
+
+
+def test_error_truncated_and_missing_shard(ckpt_copy):
+    shards = sorted(ckpt_copy.glob("*.safetensors"))
+    os.truncate(shards[1], shards[1].stat().st_size - 7)
+    with pytest.raises(ValueError, match=f"{shards[1].name}.*truncated or corrupt"):
+        load.load(str(ckpt_copy), progress=False)
+    shards[1].unlink()
+    with pytest.raises(FileNotFoundError, match=f"{shards[1].name}: listed in"):
+        load.load(str(ckpt_copy), progress=False)
+
+
+def test_error_corrupt_json(ckpt_copy):
+    (ckpt_copy / "model.safetensors.index.json").write_text("{ not json")
+    with pytest.raises(ValueError, match="malformed JSON"):
+        load.load(str(ckpt_copy), progress=False)
+
+
+def test_loads_single_file_and_hf_internal_names(hf_tiny, tmp_path):
+    """model.safetensors without an index, with transformers' fused expert names and `sinks`, loads the same."""
+    from safetensors.torch import save_file
+    hf, path = hf_tiny
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}     # gate_up_proj [E, 2I, C], sinks
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / f).write_bytes((path / f).read_bytes())
+    a, b = flint_from(path), flint_from(tmp_path)
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+# -----------------------------------------------------------------------------
+# generate.py
+
+
+def run_generate(*args, stdin=None):
+    r = subprocess.run([sys.executable, str(HERE / "generate.py"), *args], capture_output=True, text=True,
+                       input=stdin, timeout=300)
+    return r
+
+
+def test_generate_greedy_matches_transformers(hf_tiny):
+    hf, path = hf_tiny
+    r = run_generate("-c", str(path), "-p", "def fib(n):", "-n", "40", "-t", "0", "--json", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([out["prompt_tokens"]]), max_new_tokens=40, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, len(out["prompt_tokens"]):].tolist()
+    assert len(out["tokens"]) == 40 and out["tokens"] == want
+    assert set(out["stats"]) >= {"prompt_tokens", "ttft_s", "prefill_tok_s", "decode_tok_s", "peak_memory_gib"}
+
+
+def test_generate_tiny_cli():
+    r = run_generate("--checkpoint", "tiny", "--prompt", "hi", "-n", "16")
+    assert r.returncode == 0, r.stderr
+    assert "RANDOM" in r.stderr and "decode" in r.stderr and "tok/s" in r.stderr
+    r = run_generate("-c", "tiny", "-p", "-", "-n", "8", "-t", "0", "--json", "--chat", stdin="hello\nthere")
+    out = json.loads(r.stdout)
+    assert len(out["tokens"]) <= 8 and out["stats"]["prompt_tokens"] == len(out["prompt_tokens"])
+
+
+def test_generate_batch_prompt_file(tmp_path):
+    """Each line is a prompt; the batch gives each prompt the tokens it gets alone (greedy)."""
+    (tmp_path / "p.txt").write_text("first prompt\nsecond, longer prompt\n")
+    batch = run_generate("-c", "tiny", "--prompt-file", str(tmp_path / "p.txt"), "-n", "12", "-t", "0", "--json")
+    outs = [json.loads(line) for line in batch.stdout.splitlines()]
+    alone = [json.loads(run_generate("-c", "tiny", "-p", p, "-n", "12", "-t", "0", "--json").stdout)
+             for p in ["first prompt", "second, longer prompt"]]
+    assert [o["tokens"] for o in outs] == [a["tokens"] for a in alone]
+
+
+def test_generate_too_long_prompt():
+    r = run_generate("-c", "tiny", "-p", "x" * 100, "-n", "50", "--max-seq-len", "64")
+    assert r.returncode != 0 and "exceeds --max-seq-len 64" in r.stderr
+    r = run_generate("-c", "tiny", "-p", "hi", "--max-seq-len", "100000")
+    assert r.returncode != 0 and "exceeds the model's context" in r.stderr
+
+
+# -----------------------------------------------------------------------------
+# Tokenizer and chat template, with HF tokenizers as the oracle
+
+# Mixed text for training and parity: code, CRLF and tabs, digits and long numbers, contractions,
+# Han inside and outside U+4E00-9FA5, kana, emoji with ZWJ and modifiers, control characters.
+SAMPLES = [
+    "def encode(self, text: str) -> list[int]:\n    return [self.vocab[t] for t in text.split()]\n",
+    "for (int i = 0; i < 1024; ++i) {\r\n\tsum += x[i] * 31415926;\r\n}\r\n",
+    "The model's outputs weren't what we'd expected. We'LL see; IT'S fine. HELLO World's GREAT",
+    "Pi is 3.14159265358979 and e is 2.718281828; 1,234,567,890 users in 2025. a  1 b\t\t2",
+    "你好，世界！今天天气很好。我们去公园散步吧。 你好world",
+    "𠀀𠀁𠮷野家 㐀㐁 鿰鿱 漢字かな交じり文",
+    "ひらがなとカタカナ、コンピューター。すごい！ｶﾀｶﾅ ゟヿ",
+    "emoji 👨‍👩‍👧‍👦 👍🏽 🏳️‍🌈 ❤️ 🇯🇵 ok👍",
+    "control \x01\x02\x1b[0m bell\x07 nul\x00 del\x7f \x1c\x1f",
+    "spaces     and\t\ttabs \u00a0nbsp \u3000ideographic\n\n\n   \n  x",
+    "Ünïcödé façade naïve résumé Ελληνικά русский текст العربية हिन्दी e\u0301",
+    "<think>reasoning here</think> answer <|endoftext|> <tool_call>get_weather\n<arg_key>city</arg_key></tool_call>",
+]
+SPECIALS = ["<|endoftext|>", "<think>", "</think>"]
+TRICKY = ["", " ", "a  1", " 你好world", "\x01\x02", "👨‍👩‍👧", "x" * 700, " " * 300 + "x", "\n" * 50, "1234567",
+          "<think>hi</think>", "<|endoftext|><|endoftext|>", "a <tool_call>  b", "x\u3000<tool_call>\x1c y",
+          "[MASK] a[MASK] [MASK]b _[MASK].", "<think", "<|endoftext|", "it's 'LL 'll 'S", "<tool <tool_call> <tool_c",
+          "thin</think>", "<tool_call>  <tool_call>"]
+
+
+def random_texts(n, seed=0):
+    """Random splices of the samples and odd characters: pieces meet in every combination."""
+    rng = random.Random(seed)
+    chars = [*" \t\n\r\x01\u200d\u3000\u00a0'0123456789aZ你ゟ𠮷👍🏽é\u0301,.<>|", *SPECIALS, "<tool_call>", "[MASK]"]
+    out = []
+    for _ in range(n):
+        parts = []
+        for _ in range(rng.randint(1, 6)):
+            s = rng.choice(SAMPLES)
+            i = rng.randrange(len(s))
+            parts.append(s[i:i + rng.randint(0, 30)] if rng.random() < 0.7 else "".join(rng.choices(chars, k=5)))
+        out.append("".join(parts))
+    return out
+
+
+def flint_pre_tokenizer():
+    """The spec §5 pre-tokenizer, built with `tokenizers`."""
+    splits = [pre_tokenizers.Split(Regex(p), "isolated") for p in FLINT_SPLITS]
+    return pre_tokenizers.Sequence(splits + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A trained tokenizer.json (+ tokenizer_config, generation_config) in a temp dir."""
+    d = tmp_path_factory.mktemp("tok")
+    tok = tokenizers.Tokenizer(BPE())
+    tok.pre_tokenizer = flint_pre_tokenizer()
+    tok.decoder = decoders.ByteLevel()
+    trainer = BpeTrainer(vocab_size=3000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=SPECIALS,
+                         show_progress=False)
+    tok.train_from_iterator(SAMPLES * 20 + random_texts(400, seed=1), trainer)
+    # non-special added tokens: lstrip/rstrip, single_word, a prefix of another, one overlapping "</think>" on
+    # the left (special tokens are matched first, so "</think>" wins)
+    tok.add_tokens([AddedToken("<tool_call>", lstrip=True, rstrip=True), AddedToken("[MASK]", single_word=True),
+                    AddedToken("<tool"), AddedToken("n</")])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|endoftext|>"}, "bos_token": None}))
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.token_to_id("</think>")]}))
+    return d
+
+
+def variant(src, dst, edit):
+    """Copy tokenizer.json with edit(json) applied; return (our tokenizer, HF tokenizer)."""
+    tj = json.loads((src / "tokenizer.json").read_text())
+    edit(tj)
+    dst.mkdir(exist_ok=True)
+    (dst / "tokenizer.json").write_text(json.dumps(tj))
+    return Tokenizer.from_files(dst / "tokenizer.json"), tokenizers.Tokenizer.from_file(str(dst / "tokenizer.json"))
+
+
+def add_unrebuilt_token(tj, hf):
+    """Add a vocab token X = a + b, merge (a, b), where HF's BPE of X's bytes never reaches [a, b]."""
+    vocab, merges = tj["model"]["vocab"], tj["model"]["merges"]
+    words = [t for t in vocab if re.fullmatch("[a-z]{2,4}", t)]
+    for a in words:
+        for b in words:
+            # BPE only shrinks the token list, so it never passes through [a, b] if it does not end there
+            if a + b not in vocab and hf.encode(a + b, add_special_tokens=False).ids != [vocab[a], vocab[b]]:
+                # tokenizers numbers added tokens after the model vocab, so shift those above it
+                for t in tj["added_tokens"]:
+                    t["id"] += t["id"] >= len(vocab)
+                vocab[a + b] = len(vocab)
+                merges.append([a, b])
+                return a + b
+    raise AssertionError("no token pair found that merges across its edge")
+
+
+def test_pre_tokenizer_examples(hf_dir):
+    """Spec §5 examples: isolated gaps and pieces that a single regex would drop."""
+    tok = Tokenizer.from_files(hf_dir / "tokenizer.json")
+    assert tok._pre_tokenize("a  1") == ["a", "  ", "1"]
+    assert tok._pre_tokenize(" 你好world") == [" ", "你好", "world"]
+    assert tok._pre_tokenize("\x01\x02") == ["\x01\x02"]
+    assert "".join(tok._pre_tokenize(SAMPLES[7])) == SAMPLES[7]
+
+
+@pytest.mark.parametrize("ignore_merges", [False, True])
+@pytest.mark.parametrize("repeat_merge", [False, True])
+def test_parity_with_tokenizers(hf_dir, tmp_path, ignore_merges, repeat_merge):
+    """Byte-exact ids vs tokenizers with a token the merges never rebuild; repeat_merge takes the slow check."""
+    added = []
+
+    def edit(tj):
+        tj["model"]["ignore_merges"] = ignore_merges
+        added.append(add_unrebuilt_token(tj, tokenizers.Tokenizer.from_file(str(hf_dir / "tokenizer.json"))))
+        vocab, merges = tj["model"]["vocab"], tj["model"]["merges"]
+        for m in merges if repeat_merge else []:  # a second merge for an existing result, through another split
+            x = "".join(m)
+            splits = [[x[:i], x[i:]] for i in range(1, len(x)) if x[:i] != m[0] and x[:i] in vocab and x[i:] in vocab]
+            if splits:
+                merges.append(splits[0])
+                break
+
+    ours, hf = variant(hf_dir, tmp_path, edit)
+    x = added[0]
+    assert ours._unrebuilt == {hf.token_to_id(x)}
+    assert (len(hf.encode(x, add_special_tokens=False).ids) == 1) == ignore_merges
+    for text in SAMPLES + TRICKY + random_texts(300) + [x, x + x, " " + x + "s"]:
+        expected = hf.encode(text, add_special_tokens=False).ids
+        assert ours.encode(text) == expected, repr(text)
+        assert ours.decode(expected) == hf.decode(expected, skip_special_tokens=False), repr(text)
+    hf.encode_special_tokens = True  # HF's switch for reading special-token text as plain text
+    for text in TRICKY + SAMPLES:
+        assert ours.encode(text, allow_special=False) == hf.encode(text, add_special_tokens=False).ids, repr(text)
+
+
+def test_merge_check_matches_bpe():
+    """The fast in-order merge check agrees with running HF's BPE, on random merge lists (many unrebuilt)."""
+    rng = random.Random(0)
+    for _ in range(500):
+        letters = "abcd"[:rng.randint(1, 4)]
+        tokens, merges = list(letters), []
+        for _ in range(200 if len(letters) > 1 else 7):  # random merges, each after its parts: training order
+            a, b = rng.choice(tokens), rng.choice(tokens)
+            if a + b not in tokens and len(a + b) <= 8:
+                tokens.append(a + b)
+                merges.append((tokens.index(a), tokens.index(b), len(tokens) - 1))
+            if len(merges) == 30:
+                break
+        pairs = {(a, b): (k, x) for k, (a, b, x) in enumerate(merges)}
+        slow = {}
+        for _, _, x in merges:
+            out, rank = _hf_bpe([tokens.index(c) for c in tokens[x]], pairs)
+            slow.update({x: rank} if out == [x] else {})
+        assert _rebuilt_in_order(merges, list(range(len(letters))), pairs) == slow, [tokens[x] for _, _, x in merges]
+
+
+def test_nfc_string_split_prefix_space_variants(hf_dir, tmp_path):
+    """NFC, a String Split and ByteLevel(add_prefix_space, use_regex) follow tokenizers too."""
+
+    def edit(tj):
+        tj["normalizer"] = {"type": "NFC"}
+        tj["pre_tokenizer"]["pretokenizers"].insert(0, {"type": "Split", "pattern": {"String": "."},
+                                                        "behavior": "Isolated", "invert": True})
+        tj["pre_tokenizer"]["pretokenizers"][-1].update(add_prefix_space=True, use_regex=True)
+
+    ours, hf = variant(hf_dir, tmp_path, edit)
+    for text in SAMPLES + TRICKY + random_texts(100, seed=2):
+        assert ours.encode(text) == hf.encode(text, add_special_tokens=False).ids, repr(text)
+
+
+def test_decode_roundtrip_and_invalid_utf8(hf_dir):
+    """decode(encode(x)) == x; ids that cut a character apart decode to U+FFFD like tokenizers."""
+    tok = Tokenizer.from_files(hf_dir / "tokenizer.json")
+    hf = tokenizers.Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    for text in [t for t in SAMPLES + TRICKY if "<tool_call>" not in t]:  # lstrip/rstrip eat spaces
+        assert tok.decode(tok.encode(text)) == text
+    rng = random.Random(0)
+    byte_ids = [hf.token_to_id(BYTE_TO_CHAR[b]) for b in range(256)]
+    for _ in range(300):
+        ids = rng.choices(byte_ids, k=rng.randint(1, 8))
+        assert tok.decode(ids) == hf.decode(ids), ids
+    assert tok.token_bytes(tok.token_to_id("<think>")) == b"<think>"
+    with pytest.raises(ValueError, match="not in the tokenizer"):
+        tok.decode([tok.n_vocab])
+
+
+def test_stream_decoder_never_splits_a_character():
+    """Multi-byte characters pushed byte by byte come out whole, and the stream equals decode()."""
+    tok = Tokenizer.byte_level(TINY_SPECIAL_TOKENS, eos_token="<|end|>")
+    text = "<|user|>héllo 你好 👨‍👩‍👧 ok<|end|>"
+    ids = tok.encode(text)
+    assert len(ids) > len(text)  # bytes, not characters
+    stream = StreamDecoder(tok)
+    parts = [stream.push(i) for i in ids] + [stream.flush()]
+    assert "".join(parts) == tok.decode(ids) == text
+    assert all("\ufffd" not in p for p in parts)
+    bad = ids[:-3] + [0xE4]  # a character cut short at the end
+    stream = StreamDecoder(tok)
+    assert "".join([stream.push(i) for i in bad] + [stream.flush()]) == tok.decode(bad)
+
+
+def test_byte_level_tokenizer():
+    """Ids 0..255 are the bytes, specials follow, and special text is plain text on request."""
+    tok = Tokenizer.byte_level(TINY_SPECIAL_TOKENS, eos_token="<|end|>")
+    assert tok.n_vocab == 256 + len(TINY_SPECIAL_TOKENS)
+    assert tok.encode("A<|end|>") == [65, tok.token_to_id("<|end|>")]
+    assert tok.encode("A<|end|>", allow_special=False) == list(b"A<|end|>")
+    assert tok.eos_ids == {260} and tok.bos_id is None
+
+
+def test_special_ids_from_files(hf_dir, tmp_path):
+    """eos = generation_config ∪ tokenizer_config ∪ config.json; bos/pad by string or id; token_to_id."""
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 5, "bos_token_id": 7}))
+    tok = Tokenizer.from_files(hf_dir / "tokenizer.json", hf_dir / "tokenizer_config.json",
+                               hf_dir / "generation_config.json", tmp_path / "config.json")
+    eot, think_end = tok.token_to_id("<|endoftext|>"), tok.token_to_id("</think>")
+    assert tok.eos_ids == {eot, think_end, 5}
+    assert tok.bos_id == 7 and tok.pad_id is None
+    assert tok.special_tokens == {"eos_token": "<|endoftext|>", "bos_token": tok.decode([7])}
+    assert tok.token_to_id("<think>") is not None and tok.token_to_id("<nope>") is None
+    assert tok.token_to_id("a") == tok.encode("a")[0]
+    plain = Tokenizer.from_files(hf_dir / "tokenizer.json", tmp_path / "absent.json")
+    assert plain.eos_ids == set() and plain.bos_id is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    with pytest.raises(ValueError, match=re.escape("'<|im_end|>' is no token")):
+        Tokenizer.from_files(hf_dir / "tokenizer.json", tmp_path / "tokenizer_config.json")
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [10**6]}))
+    with pytest.raises(ValueError, match="not one of the tokenizer"):
+        Tokenizer.from_files(hf_dir / "tokenizer.json", None, tmp_path / "generation_config.json")
+
+
+def test_gguf_fields_match_tokenizer_json(hf_dir):
+    """tokenizer.ggml.* fields built from the same vocab/merges give the same ids."""
+    tj = json.loads((hf_dir / "tokenizer.json").read_text())
+    n = 1 + max(max(tj["model"]["vocab"].values()), max(a["id"] for a in tj["added_tokens"]))
+    tokens, types = [f"[PAD{i}]" for i in range(n)], [5] * n
+    for s, i in tj["model"]["vocab"].items():
+        tokens[i], types[i] = s, 1
+    for a in tj["added_tokens"]:
+        tokens[a["id"]], types[a["id"]] = a["content"], 3 if a["special"] else 4
+    merges = [" ".join(m) for m in tj["model"]["merges"]]
+    ours = Tokenizer.from_files(hf_dir / "tokenizer.json")
+    eot = ours.token_to_id("<|endoftext|>")
+    gguf = Tokenizer.from_gguf_fields(tokens, types, merges, bos_id=None, eos_ids=[eot], pre="flint")
+    assert gguf.eos_ids == {eot} and gguf.n_vocab == ours.n_vocab
+    # GGUF has no lstrip/rstrip/single_word, so leave out texts where those flags act
+    for text in [t for t in SAMPLES + TRICKY + random_texts(200) if "<tool_call>" not in t and "[MASK]" not in t]:
+        assert gguf.encode(text) == ours.encode(text), repr(text)
+    with pytest.raises(ValueError, match="llama-bpe"):
+        Tokenizer.from_gguf_fields(tokens, types, merges, None, [eot], pre="llama-bpe")
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda tj: tj["model"].update(type="WordPiece"), "WordPiece"),
+    (lambda tj: tj["pre_tokenizer"]["pretokenizers"][0].update(behavior="Removed"), "Removed"),
+    (lambda tj: tj["pre_tokenizer"]["pretokenizers"].insert(0, {"type": "Digits"}), "Digits"),
+    (lambda tj: tj["pre_tokenizer"]["pretokenizers"].pop(), "no ByteLevel"),
+    (lambda tj: tj.update(normalizer={"type": "Lowercase"}), "Lowercase"),
+    (lambda tj: tj["model"]["merges"].append(["zzzq", "qq"]), "not in the vocab"),
+    (lambda tj: tj["model"]["merges"].append("a b c"), "neither"),
+])
+def test_bad_tokenizer_json(hf_dir, tmp_path, edit, match):
+    """Each unsupported or corrupt tokenizer.json gives a ValueError that names the problem."""
+    tj = json.loads((hf_dir / "tokenizer.json").read_text())
+    edit(tj)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tj))
+    with pytest.raises(ValueError, match=re.escape(match)):
+        Tokenizer.from_files(tmp_path / "tokenizer.json")
+
+
+def test_missing_and_malformed_files(tmp_path):
+    """A missing tokenizer.json is FileNotFoundError, broken JSON a ValueError naming the file."""
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        Tokenizer.from_files(tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer.json").write_text('{"model": ')
+    with pytest.raises(ValueError, match="malformed JSON"):
+        Tokenizer.from_files(tmp_path / "tokenizer.json")
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <3 «ü»"},
+        {"role": "assistant", "content": "Hello."}]
+TEMPLATE = """{{ bos_token }}{% for m in messages %}
+{% if m.role == 'tool' %}{{ raise_exception('no tools here: ' ~ m.content) }}{% endif %}
+[{{ m.role }}] {{ m.content }}{{ eos_token }}
+{% endfor %}
+{% if tools %}{{ tools | tojson }}{% endif %}{% if add_generation_prompt %}[assistant]{% endif %}"""
+
+
+def test_render_chat(hf_dir):
+    """trim_blocks/lstrip_blocks, special-token strings, tojson without escaping, raise_exception."""
+    tok = Tokenizer.from_files(hf_dir / "tokenizer.json", hf_dir / "tokenizer_config.json")
+    tok.special_tokens["bos_token"] = "<s>"
+    out = render_chat(TEMPLATE, CHAT, tokenizer=tok, tools=[{"name": "f", "d": "<ü>"}])
+    assert out == ("<s>[system] Be brief.<|endoftext|>\n[user] Hi <3 «ü»<|endoftext|>\n"
+                   "[assistant] Hello.<|endoftext|>\n" '[{"name": "f", "d": "<ü>"}][assistant]')
+    assert render_chat(TEMPLATE, CHAT[:1], add_generation_prompt=False).endswith("Be brief.\n")
+    with pytest.raises(ChatTemplateError, match="no tools here: x"):
+        render_chat(TEMPLATE, [{"role": "tool", "content": "x"}])
+    with pytest.raises(ChatTemplateError, match="syntax error"):
+        render_chat("{% for m in messages %}", CHAT)
+    assert render_chat("{{ strftime_now('%Y') | length }}", []) == "4"
+    tiny = render_chat(TINY_CHAT_TEMPLATE, CHAT[1:2])
+    assert tiny == "<|user|>Hi <3 «ü»<|end|><|assistant|>"
+    assert Tokenizer.byte_level(TINY_SPECIAL_TOKENS).encode(tiny)[0] == 256 + TINY_SPECIAL_TOKENS.index("<|user|>")
+
+
+def test_find_chat_template(tmp_path):
+    """chat_template.jinja wins over tokenizer_config.json, whose list form gives 'default'."""
+    assert find_chat_template(tmp_path) is None
+    cfg = tmp_path / "tokenizer_config.json"
+    named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    cfg.write_text(json.dumps({"chat_template": named}))
+    assert find_chat_template(tmp_path) == "D"
+    cfg.write_text(json.dumps({"chat_template": "S"}))
+    assert find_chat_template(tmp_path) == "S"
+    (tmp_path / "chat_template.jinja").write_text("J")
+    assert find_chat_template(tmp_path) == "J"
+    (tmp_path / "chat_template.jinja").unlink()
+    cfg.write_text(json.dumps({"chat_template": [{"name": "tool_use", "template": "T"}]}))
+    with pytest.raises(ValueError, match="no 'default'"):
+        find_chat_template(tmp_path)
+
+
+# -----------------------------------------------------------------------------
+# GPU
+
+
+@cuda
+def test_gpu_logits_match_transformers(hf_tiny):
+    hf, path = hf_tiny
+    model = flint_from(path, torch.float32, "cuda")
+    ids = torch.randint(0, 320, (2, 19))
+    with torch.no_grad():
+        want = hf(ids).logits
+    got = model(ids.cuda(), torch.arange(19, device="cuda")[None].expand(2, 19)).cpu()
+    assert (got - want).abs().max() <= 1e-4
+
+
+@cuda
+def test_gpu_generate_tiny_bf16():
+    r = run_generate("-c", "tiny", "-p", "hello", "-n", "32", "--device", "cuda", "--json")
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["tokens"]) > 0
