@@ -110,8 +110,16 @@ class Config:
 
 
 def linear_ref(x, w):
-    """y = x @ w^T with the model dtype's GEMM (bf16 in, fp32 accumulate, bf16 out)."""
-    return F.linear(x, w)
+    """y = x @ w^T with fp32 accumulation and one rounding to x's dtype; w is a [N, K] tensor or NVFP4."""
+    return linear_f32(x, w).to(x.dtype) if isinstance(w, NVFP4) else F.linear(x, w)
+
+
+def linear_f32(x, w):
+    """y = x @ w^T left as the fp32 accumulator. NVFP4 (W4A16): the weight dequantizes exactly (e2m1 x e4m3 fits
+    in bf16) and its global scale multiplies the accumulator, not the weight (spec §4b)."""
+    if isinstance(w, NVFP4):
+        return F.linear(x.float(), w.dequantize()) * w.row_scale
+    return F.linear(x.float(), w.float())
 
 
 def add_rms_norm_ref(x, dx, w, eps):
@@ -203,7 +211,7 @@ def experts_ref(x, weights, experts, gate_up, down):
     out = torch.zeros(N, C, dtype=torch.float, device=x.device)
     for e in experts.unique().tolist():                                  # the oracle: a plain loop over experts
         n, a = (experts == e).nonzero(as_tuple=True)                     # tokens routed to e, and in which slot
-        h = F.linear(x[n].float(), gate_up[e].float())                   # [n, 2I] fp32 accumulators
+        h = linear_f32(x[n], gate_up[e])                                # [n, 2I] fp32 accumulators
         g, u = h.chunk(2, dim=-1)
         act = (g / (1 + torch.exp(-g)) * u).to(x.dtype)
         y = linear_ref(act, down[e])                                     # [n, C]
@@ -220,31 +228,83 @@ def moe_ref(x, router, gate_up, down, shared_gate_up, shared_down, top_k, norm_t
 
 
 def lm_head_ref(x, w):
-    """Untied lm_head in fp32 (§2.6): bf16 hidden times the fp32-upcast weight, fp32 accumulation, fp32 logits."""
-    return F.linear(x.float(), w.float())
+    """Untied lm_head in fp32 (§2.6): bf16 hidden times the exactly upcast weight, fp32 accumulation and logits
+    (TF32 stays off: torch's default matmul precision is "highest")."""
+    return linear_f32(x, w)
 
 
 # -----------------------------------------------------------------------------
-# Modules: parameters are plain tensors named after what they hold; load.py fills them
+# NVFP4 weights
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # code -> value
 
 
-def _param(*shape, dtype, device):
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+class NVFP4(nn.Module):
+    """A weight [..., N, K] in NVFP4, kept 4-bit: w[n, k] = e2m1(code[n, k]) * e4m3(scales[n, k // 16]), and
+    y[n] = row_scale[n] * sum_k x[k] w[n, k] on the fp32 accumulator.
+
+    packed [..., N, K/2] uint8 holds element 2j in the low nibble of byte j and 2j+1 in the high one (ModelOpt's
+    layout; load.py repacks GGUF blocks into it losslessly). row_scale is the checkpoint's per-tensor global scale
+    repeated over that tensor's rows, so fused q/k/v or gate/up parts and stacked experts each keep their own."""
+
+    def __init__(self, packed, scales, row_scale):
+        super().__init__()
+        assert packed.dtype == torch.uint8 and scales.dtype == torch.float8_e4m3fn and row_scale.dtype == torch.float
+        assert scales.shape[-1] * 8 == packed.shape[-1] and row_scale.shape == packed.shape[:-1]
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
+        self.register_buffer("row_scale", row_scale)
+
+    @classmethod
+    def empty(cls, *shape, device=None):
+        *lead, N, K = shape
+        assert K % 16 == 0, f"NVFP4 needs K divisible by 16, got {K}"
+        return cls(torch.empty(*lead, N, K // 2, dtype=torch.uint8, device=device),
+                   torch.empty(*lead, N, K // 16, dtype=torch.float8_e4m3fn, device=device),
+                   torch.empty(*lead, N, dtype=torch.float, device=device))
+
+    @property
+    def shape(self):
+        return torch.Size((*self.packed.shape[:-1], 2 * self.packed.shape[-1]))
+
+    def __getitem__(self, i):                                           # one expert of a stacked weight
+        return NVFP4(self.packed[i], self.scales[i], self.row_scale[i])
+
+    def dequantize(self):
+        """fp32 [..., N, K] without row_scale; exact."""
+        lut = torch.tensor(E2M1, device=self.packed.device)
+        codes = torch.stack([self.packed & 15, self.packed >> 4], dim=-1).flatten(-2)  # [..., N, K]
+        w = lut[codes.long()].unflatten(-1, (-1, 16)) * self.scales.float()[..., None]
+        return w.flatten(-2)
+
+
+# -----------------------------------------------------------------------------
+# Modules: weights are plain tensors (or NVFP4) named after what they hold; load.py fills them
+
+
+def weight_factory(dtype, device, nvfp4=()):
+    """make(name, *shape): an empty weight, NVFP4 if its flint name is in `nvfp4`, else a tensor of `dtype`."""
+    def make(name, *shape, dtype=dtype):
+        if name in nvfp4:
+            return NVFP4.empty(*shape, device=device)
+        return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+    return make
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, layer, dtype, device):
+    def __init__(self, cfg, layer, make):
         super().__init__()
         H, G, D, C = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
         self.n_heads, self.n_kv_heads, self.head_dim, self.eps = H, G, D, cfg.rms_norm_eps
         self.sliding = cfg.is_sliding(layer)
         self.cache_index = sum(cfg.is_sliding(i) == self.sliding for i in range(layer))  # among layers of its kind
         self.window = cfg.sliding_window if self.sliding else 0          # 0: full attention, no RoPE (NoPE)
-        self.qkv = _param((H + 2 * G) * D, C, dtype=dtype, device=device)  # rows: q heads, then k, then v
-        self.o = _param(C, H * D, dtype=dtype, device=device)
-        self.q_norm = _param(D, dtype=dtype, device=device)              # shared by all heads (§2.3.2)
-        self.k_norm = _param(D, dtype=dtype, device=device)
-        self.sinks = _param(H, dtype=torch.float, device=device)         # fp32 logits (self_attn.softmax_offset)
+        p = f"layers.{layer}.attn."
+        self.qkv = make(p + "qkv", (H + 2 * G) * D, C)                   # rows: q heads, then k, then v
+        self.o = make(p + "o", C, H * D)
+        self.q_norm = make(p + "q_norm", D)                              # shared by all heads (§2.3.2)
+        self.k_norm = make(p + "k_norm", D)
+        self.sinks = make(p + "sinks", H, dtype=torch.float)             # fp32 logits (self_attn.softmax_offset)
 
     def forward(self, x, pos, inv_freq, cache):
         B, T, C = x.shape
@@ -266,11 +326,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """Dense SwiGLU (mlp_only_layers)."""
 
-    def __init__(self, cfg, dtype, device):
+    def __init__(self, cfg, layer, make):
         super().__init__()
-        F_, C = cfg.intermediate_size, cfg.hidden_size
-        self.gate_up = _param(2 * F_, C, dtype=dtype, device=device)     # rows: gate, then up
-        self.down = _param(C, F_, dtype=dtype, device=device)
+        F_, C, p = cfg.intermediate_size, cfg.hidden_size, f"layers.{layer}.ffn."
+        self.gate_up = make(p + "gate_up", 2 * F_, C)                    # rows: gate, then up
+        self.down = make(p + "down", C, F_)
 
     def forward(self, x):
         B, T, C = x.shape
@@ -280,15 +340,16 @@ class MLP(nn.Module):
 class MoE(nn.Module):
     """256 sigmoid-routed SwiGLU experts, top-6, plus one ungated shared expert that is always added."""
 
-    def __init__(self, cfg, dtype, device):
+    def __init__(self, cfg, layer, make):
         super().__init__()
         E, I, S, C = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.hidden_size
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.router = _param(E, C, dtype=dtype, device=device)           # mlp.gate.weight
-        self.gate_up = _param(E, 2 * I, C, dtype=dtype, device=device)   # per expert: gate rows, then up rows
-        self.down = _param(E, C, I, dtype=dtype, device=device)
-        self.shared_gate_up = _param(2 * S, C, dtype=dtype, device=device)
-        self.shared_down = _param(C, S, dtype=dtype, device=device)
+        p = f"layers.{layer}.ffn."
+        self.router = make(p + "router", E, C)                           # mlp.gate.weight
+        self.gate_up = make(p + "gate_up", E, 2 * I, C)                  # per expert: gate rows, then up rows
+        self.down = make(p + "down", E, C, I)
+        self.shared_gate_up = make(p + "shared_gate_up", 2 * S, C)
+        self.shared_down = make(p + "shared_down", C, S)
 
     def forward(self, x):
         B, T, C = x.shape
@@ -298,13 +359,13 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg, layer, dtype, device):
+    def __init__(self, cfg, layer, make):
         super().__init__()
         self.eps = cfg.rms_norm_eps
-        self.attn_norm = _param(cfg.hidden_size, dtype=dtype, device=device)  # input_layernorm
-        self.attn = Attention(cfg, layer, dtype, device)
-        self.ffn_norm = _param(cfg.hidden_size, dtype=dtype, device=device)   # post_attention_layernorm
-        self.ffn = MoE(cfg, dtype, device) if cfg.is_moe(layer) else MLP(cfg, dtype, device)
+        self.attn_norm = make(f"layers.{layer}.attn_norm", cfg.hidden_size)  # input_layernorm
+        self.attn = Attention(cfg, layer, make)
+        self.ffn_norm = make(f"layers.{layer}.ffn_norm", cfg.hidden_size)    # post_attention_layernorm
+        self.ffn = (MoE if cfg.is_moe(layer) else MLP)(cfg, layer, make)
 
     def forward(self, x, dx, pos, inv_freq, cache):
         # The residual stream is x + dx; each norm adds the pending dx in fp32 first (§2.2), so a block is
@@ -316,15 +377,24 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg, dtype=torch.bfloat16, device="cpu"):
+    def __init__(self, cfg, dtype=torch.bfloat16, device="cpu", nvfp4=()):
+        """Empty weights of `dtype` on `device`; the flint weight names in `nvfp4` are NVFP4 (see load.py)."""
         super().__init__()
         self.cfg = cfg
         V, C = cfg.vocab_size, cfg.hidden_size
-        self.embed = _param(V, C, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(Block(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers))
-        self.norm = _param(C, dtype=dtype, device=device)
-        self.lm_head = _param(V, C, dtype=dtype, device=device)
+        make = weight_factory(dtype, device, set(nvfp4))
+        self.embed = make("embed", V, C)
+        self.layers = nn.ModuleList(Block(cfg, i, make) for i in range(cfg.num_hidden_layers))
+        self.norm = make("norm", C)
+        self.lm_head = make("lm_head", V, C)
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+
+    def weights(self):
+        """(flint name, tensor or NVFP4) for every weight, in model order: what a loader must fill."""
+        for name, m in self.named_modules():
+            if isinstance(m, NVFP4):
+                yield name, m
+        yield from self.named_parameters()                               # NVFP4 holds buffers, not parameters
 
     @property
     def dtype(self):
@@ -352,15 +422,18 @@ class Transformer(nn.Module):
 
 
 def init_random(model, seed=0, std=0.02):
-    """Random weights (the offline tiny demo, tests and benchmarks): N(0, std) matrices, unit norms, O(1) sinks."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith("norm"):
-            p.data.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
-        elif name.endswith("sinks"):
-            p.data.copy_(torch.randn(p.shape, generator=g))
+    """Random weights (the offline tiny demo, tests and benchmarks): N(0, std) matrices, norms near 1, O(1) sinks;
+    NVFP4 weights get random codes and scales of about the same spread. Drawn on the model's device, so a
+    full-size model initializes in seconds on a GPU."""
+    g = torch.Generator(device=model.device).manual_seed(seed)
+    for name, w in model.weights():
+        if isinstance(w, NVFP4):                                         # e2m1 codes have rms ~2.9: scale by std/3
+            w.packed.random_(0, 256, generator=g)
+            w.scales.copy_(torch.empty(w.scales.shape, device=w.scales.device).uniform_(0.2, 0.45, generator=g) * std)
+            w.row_scale.fill_(1.0)
         else:
-            p.data.copy_(std * torch.randn(p.shape, generator=g))
+            scale, mean = (0.1, 1.0) if name.endswith("norm") else (1.0, 0.0) if name.endswith("sinks") else (std, 0)
+            w.data.normal_(mean, scale, generator=g)
     return model
 
 

@@ -144,7 +144,7 @@ def load_hf_weights(model, files, progress=True):
     """Stream every tensor of an HF checkpoint into the model's preallocated parameters, shard by shard."""
     cfg = model.cfg
     plan = {}                                                           # shard -> [(dst, HF name, flint name)]
-    for name, param in model.named_parameters():
+    for name, param in model.weights():
         for dst, hf in hf_pieces(cfg, name, param.data, files):
             if hf not in files:
                 raise ValueError(f"checkpoint: tensor {hf} (for flint {name}) is missing; the checkpoint is "
