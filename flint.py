@@ -19,6 +19,7 @@ V vocab (150144), N = B*T flattened tokens.
 """
 import copy
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -136,19 +137,25 @@ def rms_norm_ref(x, w, eps):
     return add_rms_norm_ref(x, None, w, eps)[1]
 
 
-def rope_inv_freq(cfg):
-    """inv_freq[i] = 1 / theta^(2i/D) in fp32, computed like HF (§2.3.3)."""
-    return 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
+def rope_table(cfg, n, device):
+    """fp32 cos, sin [n, D/2] of angle p * inv_freq[i], inv_freq[i] = 1 / theta^(2i/D), computed like HF (§2.3.3)."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
+    ang = torch.arange(n, dtype=torch.float, device=device)[:, None] * inv_freq.to(device)
+    return ang.cos(), ang.sin()
 
 
-def rope_ref(x, pos, inv_freq):
-    """NeoX RoPE over all D dims, pairs (i, i + D/2): x [B, T, n, D], pos [B, T] absolute positions.
-
-    cos/sin and the rotation are fp32 with one rounding at the end (serving; HF rounds cos/sin to bf16)."""
-    ang = pos.float()[..., None] * inv_freq                               # [B, T, D/2]
-    cos, sin = ang.cos()[:, :, None, :], ang.sin()[:, :, None, :]         # [B, T, 1, D/2]
+def rope_ref(x, cos, sin):
+    """NeoX RoPE over all D dims, pairs (i, i + D/2): x [B, T, n, D]; cos, sin [B, T, D/2] at each token's
+    absolute position. The rotation is fp32 with one rounding at the end (serving; HF rounds cos/sin to bf16)."""
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def slot_positions(last, S):
+    """Position held by each of S cache slots [B, S] once positions up to `last` [B, 1] were written in order to
+    slot p % S; negative = never written. (Full layers: S = max length, so slot = position.)"""
+    return last - (last - torch.arange(S, device=last.device)) % S
 
 
 def sink_attention_ref(q, k, v, sinks, q_pos, k_pos, window):
@@ -188,18 +195,17 @@ def mlp_ref(x, gate_up, down):
     return linear_ref(swiglu_ref(linear_ref(x, gate_up)), down)
 
 
-def route_ref(x, router, top_k, norm_topk_prob):
-    """Sigmoid top-k routing (§2.5.1-4): x [N, C] -> weights [N, A] (model dtype), experts [N, A] (int64).
+def route_ref(logits, top_k, norm_topk_prob):
+    """Sigmoid top-k routing (§2.5.2-4): router logits [N, E] -> weights [N, A] (logits' dtype), experts [N, A].
 
-    The router GEMM runs in the model dtype (serving; HF uses fp32). Experts are selected on the logits (sigmoid is
-    monotone, and fp32 sigmoid saturates to 1.0, creating false ties); ties go to the lowest expert index, which a
-    stable descending sort guarantees and torch.topk does not."""
-    logits = linear_ref(x, router).float()                               # [N, E]
-    experts = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]  # [N, A]
-    w = torch.sigmoid(logits.gather(-1, experts))                       # [N, A] fp32
+    Experts are selected on the logits (sigmoid is monotone, and fp32 sigmoid saturates to 1.0, creating false
+    ties); ties go to the lowest expert index, which a stable descending sort guarantees and torch.topk does not."""
+    r = logits.float()
+    experts = torch.sort(r, dim=-1, descending=True, stable=True).indices[:, :top_k]  # [N, A]
+    w = torch.sigmoid(r.gather(-1, experts))                            # [N, A] fp32
     if norm_topk_prob:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    return w.to(x.dtype), experts
+    return w.to(logits.dtype), experts
 
 
 def experts_ref(x, weights, experts, gate_up, down):
@@ -219,18 +225,43 @@ def experts_ref(x, weights, experts, gate_up, down):
     return out.to(x.dtype)
 
 
-def moe_ref(x, router, gate_up, down, shared_gate_up, shared_down, top_k, norm_topk_prob):
-    """The MoE block: routed experts plus the ungated shared expert, out = bf16(f32(routed) + f32(shared))."""
-    weights, experts = route_ref(x, router, top_k, norm_topk_prob)
-    routed = experts_ref(x, weights, experts, gate_up, down)
-    shared = mlp_ref(x, shared_gate_up, shared_down)
-    return (routed.float() + shared.float()).to(x.dtype)
+def moe_experts_ref(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, norm_topk_prob):
+    """The MoE block after the router (§2.5): h [N, C], router logits [N, E] (bf16, the router GEMM's output in
+    the serving reference; HF computes them in fp32) -> bf16(f32(routed) + f32(shared)) [N, C]."""
+    weights, experts = route_ref(logits, top_k, norm_topk_prob)
+    routed = experts_ref(h, weights, experts, gate_up, down)
+    shared = mlp_ref(h, shared_gate_up, shared_down)
+    return (routed.float() + shared.float()).to(h.dtype)
 
 
-def lm_head_ref(x, w):
-    """Untied lm_head in fp32 (§2.6): bf16 hidden times the exactly upcast weight, fp32 accumulation and logits
-    (TF32 stays off: torch's default matmul precision is "highest")."""
-    return linear_f32(x, w)
+def add_norm_linear_ref(x, dx, norm_w, w, eps, f32=False):
+    """Residual add + RMSNorm + linear: (bf16(x + dx), h = rmsnorm(x + dx), h @ w^T). f32 is the lm_head (§2.6):
+    bf16 h times the exactly upcast weight, fp32 accumulation and logits (TF32 stays off: torch's default)."""
+    x, h = add_rms_norm_ref(x, dx, norm_w, eps)
+    return x, h, (linear_f32(h, w) if f32 else linear_ref(h, w))
+
+
+def add_norm_swiglu_ref(x, dx, norm_w, gate_up, eps):
+    """The dense MLP's input half: (bf16(x + dx), silu(h @ gate^T) * (h @ up^T))."""
+    x, h = add_rms_norm_ref(x, dx, norm_w, eps)
+    return x, swiglu_ref(linear_ref(h, gate_up))
+
+
+def attention_decode_ref(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos, window, eps):
+    """One new token per sequence: qkv [B, (H+2G)D] -> o [B, H*D]. q/k RMSNorm per head, RoPE on sliding layers
+    (window > 0; cos/sin are the [n, D/2] tables), store k, v at slot pos % S of k/v_cache [B, S, G, D], then
+    attend over the cache, masked by the position each slot holds."""
+    B, S, G, D = k_cache.shape
+    H = sinks.shape[0]
+    q, k, v = qkv.view(B, 1, H + 2 * G, D).split([H, G, G], dim=2)     # [B, 1, n, D]
+    q, k = rms_norm_ref(q, q_norm, eps), rms_norm_ref(k, k_norm, eps)   # rounded before RoPE
+    if window:
+        q, k = rope_ref(q, cos[pos][:, None], sin[pos][:, None]), rope_ref(k, cos[pos][:, None], sin[pos][:, None])
+    rows = torch.arange(B, device=pos.device)
+    k_cache[rows, pos % S], v_cache[rows, pos % S] = k[:, 0], v[:, 0]
+    k_pos = slot_positions(pos[:, None], S)                             # [B, S]
+    o = sink_attention_ref(q, k_cache, v_cache, sinks, pos[:, None], k_pos, window)
+    return o.view(B, H * D)
 
 
 # -----------------------------------------------------------------------------
@@ -291,14 +322,23 @@ def weight_factory(dtype, device, nvfp4=()):
     return make
 
 
+REFERENCE_OPS = SimpleNamespace(add_norm_linear=add_norm_linear_ref, add_norm_swiglu=add_norm_swiglu_ref,
+                                linear=linear_ref, attention_decode=attention_decode_ref, moe_experts=moe_experts_ref)
+
+
+def kernel_ops():
+    """The Triton twins of REFERENCE_OPS (same names and signatures), for decode steps of up to 64 sequences."""
+    import kernels
+    return SimpleNamespace(**{name: getattr(kernels, name) for name in vars(REFERENCE_OPS)})
+
+
 class Attention(nn.Module):
     def __init__(self, cfg, layer, make):
         super().__init__()
         H, G, D, C = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
-        self.n_heads, self.n_kv_heads, self.head_dim, self.eps = H, G, D, cfg.rms_norm_eps
-        self.sliding = cfg.is_sliding(layer)
-        self.cache_index = sum(cfg.is_sliding(i) == self.sliding for i in range(layer))  # among layers of its kind
-        self.window = cfg.sliding_window if self.sliding else 0          # 0: full attention, no RoPE (NoPE)
+        self.layer, self.n_heads, self.n_kv_heads, self.head_dim = layer, H, G, D
+        self.eps = cfg.rms_norm_eps
+        self.window = cfg.sliding_window if cfg.is_sliding(layer) else 0  # 0: full attention, no RoPE (NoPE)
         p = f"layers.{layer}.attn."
         self.qkv = make(p + "qkv", (H + 2 * G) * D, C)                   # rows: q heads, then k, then v
         self.o = make(p + "o", C, H * D)
@@ -306,21 +346,32 @@ class Attention(nn.Module):
         self.k_norm = make(p + "k_norm", D)
         self.sinks = make(p + "sinks", H, dtype=torch.float)             # fp32 logits (self_attn.softmax_offset)
 
-    def forward(self, x, pos, inv_freq, cache):
-        B, T, C = x.shape
+    def forward(self, x, dx, norm_w, pos, cache, rope, ops):
+        """x + dx [N, C] -> (bf16(x + dx), o_proj(attention(rmsnorm(x + dx))))."""
+        B, T = pos.shape
+        x, _, qkv = ops.add_norm_linear(x, dx, norm_w, self.qkv, self.eps)   # [N, (H+2G)D]
+        if T == 1 and cache is not None:                                 # decode: one fused op
+            o = ops.attention_decode(qkv, self.q_norm, self.k_norm, self.sinks, *rope, cache.k[self.layer],
+                                     cache.v[self.layer], pos[:, 0], self.window, self.eps)
+        else:
+            o = self.prefill(qkv, pos, cache, rope)
+        return x, ops.linear(o, self.o)
+
+    def prefill(self, qkv, pos, cache, rope):
+        """T new tokens per sequence (reference ops): qkv [B*T, (H+2G)D] -> o [B*T, H*D]."""
+        B, T = pos.shape
         H, G, D = self.n_heads, self.n_kv_heads, self.head_dim
-        q, k, v = linear_ref(x, self.qkv).split([H * D, G * D, G * D], dim=-1)
-        q = rms_norm_ref(q.view(B, T, H, D), self.q_norm, self.eps)       # per head, rounded before RoPE
-        k = rms_norm_ref(k.view(B, T, G, D), self.k_norm, self.eps)
-        v = v.view(B, T, G, D)
-        if self.sliding:
-            q, k = rope_ref(q, pos, inv_freq), rope_ref(k, pos, inv_freq)
-        if cache is None:                                                # no cache: attend within the new tokens
+        q, k, v = qkv.view(B, T, H + 2 * G, D).split([H, G, G], dim=2)  # [B, T, n, D]
+        q, k = rms_norm_ref(q, self.q_norm, self.eps), rms_norm_ref(k, self.k_norm, self.eps)  # rounded
+        if self.window:
+            cos, sin = rope[0][pos], rope[1][pos]                        # [B, T, D/2]
+            q, k = rope_ref(q, cos, sin), rope_ref(k, cos, sin)
+        if cache is None:                                                # attend within the new tokens
             ks, vs, k_pos = k, v, pos
         else:
-            ks, vs, k_pos = cache.update(self.sliding, self.cache_index, k, v, pos)
+            ks, vs, k_pos = cache.store(self.layer, k, v, pos)
         o = sink_attention_ref(q, ks, vs, self.sinks, pos, k_pos, self.window)  # [B, T, H, D]
-        return linear_ref(o.reshape(B, T, H * D), self.o)
+        return o.reshape(B * T, H * D)
 
 
 class MLP(nn.Module):
@@ -329,12 +380,13 @@ class MLP(nn.Module):
     def __init__(self, cfg, layer, make):
         super().__init__()
         F_, C, p = cfg.intermediate_size, cfg.hidden_size, f"layers.{layer}.ffn."
+        self.eps = cfg.rms_norm_eps
         self.gate_up = make(p + "gate_up", 2 * F_, C)                    # rows: gate, then up
         self.down = make(p + "down", C, F_)
 
-    def forward(self, x):
-        B, T, C = x.shape
-        return mlp_ref(x.view(B * T, C), self.gate_up, self.down).view(B, T, C)
+    def forward(self, x, dx, norm_w, ops):
+        x, act = ops.add_norm_swiglu(x, dx, norm_w, self.gate_up, self.eps)
+        return x, ops.linear(act, self.down)
 
 
 class MoE(nn.Module):
@@ -343,7 +395,7 @@ class MoE(nn.Module):
     def __init__(self, cfg, layer, make):
         super().__init__()
         E, I, S, C = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.hidden_size
-        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.top_k, self.norm_topk_prob, self.eps = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.rms_norm_eps
         p = f"layers.{layer}.ffn."
         self.router = make(p + "router", E, C)                           # mlp.gate.weight
         self.gate_up = make(p + "gate_up", E, 2 * I, C)                  # per expert: gate rows, then up rows
@@ -351,34 +403,32 @@ class MoE(nn.Module):
         self.shared_gate_up = make(p + "shared_gate_up", 2 * S, C)
         self.shared_down = make(p + "shared_down", C, S)
 
-    def forward(self, x):
-        B, T, C = x.shape
-        y = moe_ref(x.view(B * T, C), self.router, self.gate_up, self.down, self.shared_gate_up, self.shared_down,
-                    self.top_k, self.norm_topk_prob)
-        return y.view(B, T, C)
+    def forward(self, x, dx, norm_w, ops):
+        x, h, logits = ops.add_norm_linear(x, dx, norm_w, self.router, self.eps)  # [N, E]
+        return x, ops.moe_experts(h, logits, self.gate_up, self.down, self.shared_gate_up, self.shared_down,
+                                  self.top_k, self.norm_topk_prob)
 
 
 class Block(nn.Module):
     def __init__(self, cfg, layer, make):
         super().__init__()
-        self.eps = cfg.rms_norm_eps
         self.attn_norm = make(f"layers.{layer}.attn_norm", cfg.hidden_size)  # input_layernorm
         self.attn = Attention(cfg, layer, make)
         self.ffn_norm = make(f"layers.{layer}.ffn_norm", cfg.hidden_size)    # post_attention_layernorm
         self.ffn = (MoE if cfg.is_moe(layer) else MLP)(cfg, layer, make)
 
-    def forward(self, x, dx, pos, inv_freq, cache):
-        # The residual stream is x + dx; each norm adds the pending dx in fp32 first (§2.2), so a block is
+    def forward(self, x, dx, pos, cache, rope, ops):
+        # The residual stream is x + dx: each norm first adds the pending dx in fp32 (§2.2), so this is
         # x = x + attn(norm(x)); x = x + ffn(norm(x)) with the additions fused into the norms.
-        x, h = add_rms_norm_ref(x, dx, self.attn_norm, self.eps)
-        dx = self.attn(h, pos, inv_freq, cache)
-        x, h = add_rms_norm_ref(x, dx, self.ffn_norm, self.eps)
-        return x, self.ffn(h)
+        x, dx = self.attn(x, dx, self.attn_norm, pos, cache, rope, ops)
+        return self.ffn(x, dx, self.ffn_norm, ops)
 
 
 class Transformer(nn.Module):
     def __init__(self, cfg, dtype=torch.bfloat16, device="cpu", nvfp4=()):
-        """Empty weights of `dtype` on `device`; the flint weight names in `nvfp4` are NVFP4 (see load.py)."""
+        """Empty weights of `dtype` on `device`; the flint weight names in `nvfp4` are NVFP4 (see load.py).
+        Decode steps use the Triton kernels on CUDA in bf16, the reference ops otherwise (set decode_ops to
+        REFERENCE_OPS to compare)."""
         super().__init__()
         self.cfg = cfg
         V, C = cfg.vocab_size, cfg.hidden_size
@@ -387,14 +437,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i, make) for i in range(cfg.num_hidden_layers))
         self.norm = make("norm", C)
         self.lm_head = make("lm_head", V, C)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
-
-    def weights(self):
-        """(flint name, tensor or NVFP4) for every weight, in model order: what a loader must fill."""
-        for name, m in self.named_modules():
-            if isinstance(m, NVFP4):
-                yield name, m
-        yield from self.named_parameters()                               # NVFP4 holds buffers, not parameters
+        self.rope = rope_table(cfg, 0, device)
+        fast = torch.device(device).type == "cuda" and dtype == torch.bfloat16
+        self.decode_ops = kernel_ops() if fast else REFERENCE_OPS
 
     @property
     def dtype(self):
@@ -404,21 +449,32 @@ class Transformer(nn.Module):
     def device(self):
         return self.embed.device
 
+    def weights(self):
+        """(flint name, tensor or NVFP4) for every weight, in model order: what a loader must fill."""
+        for name, m in self.named_modules():
+            if isinstance(m, NVFP4):
+                yield name, m
+        yield from self.named_parameters()                               # NVFP4 holds buffers, not parameters
+
     @torch.inference_mode()
     def forward(self, ids, pos, cache=None, last_only=False):
         """ids, pos [B, T] (absolute positions, on the device) -> fp32 logits [B, T, V] ([B, 1, V] if last_only).
 
         With a cache, the new tokens' keys and values are written into it and attention sees everything cached;
-        without one, the T tokens attend only to each other (a full recompute)."""
-        x, dx = self.embed[ids], None                                    # [B, T, C]
+        without one, the T tokens attend only to each other (a full recompute). Single-token steps (T = 1) use
+        decode_ops and do no host sync, so they can be captured in a CUDA graph."""
+        B, T = ids.shape
+        ops = self.decode_ops if T == 1 else REFERENCE_OPS
+        n = cache.max_seq_len if cache is not None else int(pos.max()) + 1
+        if self.rope[0].shape[0] < n:                                    # fp32 cos/sin, built once per length
+            self.rope = rope_table(self.cfg, n, self.device)
+        x, dx = self.embed[ids.flatten()], None                          # [N, C]
         for block in self.layers:
-            x, dx = block(x, dx, pos, self.inv_freq, cache)
-        if cache is not None:
-            cache.advance(pos)
+            x, dx = block(x, dx, pos, cache, self.rope, ops)
         if last_only:
-            x, dx = x[:, -1:], dx[:, -1:]
-        _, h = add_rms_norm_ref(x, dx, self.norm, self.cfg.rms_norm_eps)
-        return lm_head_ref(h, self.lm_head)                              # [B, T, V] fp32
+            x, dx, T = x.view(B, T, -1)[:, -1], dx.view(B, T, -1)[:, -1], 1
+        _, _, logits = ops.add_norm_linear(x, dx, self.norm, self.lm_head, self.cfg.rms_norm_eps, f32=True)
+        return logits.view(B, T, -1)                                     # [B, T, V] fp32
 
 
 def init_random(model, seed=0, std=0.02):
@@ -442,68 +498,95 @@ def init_random(model, seed=0, std=0.02):
 
 
 class KVCache:
-    """Static K/V cache for B sequences, allocated once (§3).
+    """Static K/V cache for B sequences, allocated once (§3): k[layer], v[layer] [B, S, G, D].
 
-    Full-attention layers hold every position: slot = position, k/v [B, S, G, D] with S = max_seq_len.
-    Sliding layers hold a ring of W = min(sliding_window, S) slots: position p lives in slot p % W, overwritten
-    W positions later. K is stored after q/k-norm and RoPE, V raw. `full_pos` / `ring_pos` [B, S] / [B, W] hold
-    the position stored in each slot (-1 = empty); attention masks by stored position, never by slot order, and
-    since all layers of a kind write the same positions, one table per kind serves all of them.
-
-    A forward of T tokens writes and reads layer by layer through update(); advance() then records the new
-    positions once for all layers."""
+    Full-attention layers hold every position: S = max_seq_len, slot = position. Sliding layers hold a ring of
+    S = min(sliding_window, max_seq_len) slots: position p lives in slot p % S and is overwritten S positions
+    later. K is stored after q/k-norm and RoPE, V raw. Positions are written in order, so the position a slot
+    holds follows from the newest one (slot_positions); attention masks by that position, never by slot order,
+    and needs no position table. Starting again at position 0 is a reset: nothing older is visible."""
 
     def __init__(self, cfg, batch_size, max_seq_len, dtype, device):
         G, D = cfg.num_key_value_heads, cfg.head_dim
-        self.max_seq_len, self.window = max_seq_len, min(cfg.sliding_window, max_seq_len)
-        n_full = sum(not cfg.is_sliding(i) for i in range(cfg.num_hidden_layers))
-        n_ring = cfg.num_hidden_layers - n_full
-        self.full_k = torch.zeros(n_full, batch_size, max_seq_len, G, D, dtype=dtype, device=device)
-        self.full_v = torch.zeros_like(self.full_k)
-        self.ring_k = torch.zeros(n_ring, batch_size, self.window, G, D, dtype=dtype, device=device)
-        self.ring_v = torch.zeros_like(self.ring_k)
-        self.full_pos = torch.full((batch_size, max_seq_len), -1, dtype=torch.long, device=device)
-        self.ring_pos = torch.full((batch_size, self.window), -1, dtype=torch.long, device=device)
-        self.batch = torch.arange(batch_size, device=device)[:, None]    # [B, 1] row index for scattered writes
-        self.reset()
+        self.batch_size, self.max_seq_len = batch_size, max_seq_len
+        sizes = [min(cfg.sliding_window, max_seq_len) if cfg.is_sliding(i) else max_seq_len
+                 for i in range(cfg.num_hidden_layers)]
+        self.k = [torch.zeros(batch_size, S, G, D, dtype=dtype, device=device) for S in sizes]
+        self.v = [torch.zeros_like(k) for k in self.k]
 
     @property
     def nbytes(self):
-        return sum(t.numel() * t.element_size() for t in (self.full_k, self.full_v, self.ring_k, self.ring_v))
-
-    def reset(self):
-        self.full_pos.fill_(-1)
-        self.ring_pos.fill_(-1)
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def row(self, b):
         """The cache of sequence b alone, sharing storage: prompts of different lengths prefill one at a time."""
         view = copy.copy(self)
-        view.full_k, view.full_v = self.full_k[:, b:b + 1], self.full_v[:, b:b + 1]
-        view.ring_k, view.ring_v = self.ring_k[:, b:b + 1], self.ring_v[:, b:b + 1]
-        view.full_pos, view.ring_pos, view.batch = self.full_pos[b:b + 1], self.ring_pos[b:b + 1], self.batch[:1]
+        view.k, view.v, view.batch_size = [t[b:b + 1] for t in self.k], [t[b:b + 1] for t in self.v], 1
         return view
 
-    def update(self, sliding, i, k, v, pos):
-        """Store k, v [B, T, G, D] at positions pos [B, T] in layer i of its kind; return the keys, values
-        [B, S', G, D] and their positions [B, S'] that these T queries attend over."""
-        if not sliding:
-            self.full_k[i][self.batch, pos] = k
-            self.full_v[i][self.batch, pos] = v
-            return self.full_k[i], self.full_v[i], self.full_pos.scatter(1, pos, pos)
-        # Sliding: a query needs up to W-1 earlier keys, some of which this chunk's own writes would overwrite,
-        # so attend over the ring as it was plus the chunk, then keep the chunk's last W tokens.
-        ks, vs = torch.cat([self.ring_k[i], k], 1), torch.cat([self.ring_v[i], v], 1)
-        k_pos = torch.cat([self.ring_pos, pos], 1)
-        W = self.window
-        self.ring_k[i][self.batch, pos[:, -W:] % W] = k[:, -W:]
-        self.ring_v[i][self.batch, pos[:, -W:] % W] = v[:, -W:]
+    def store(self, layer, k, v, pos):
+        """Store T new k, v [B, T, G, D] at positions pos [B, T] (in order, following what is cached); return the
+        keys, values [B, S', G, D] and positions [B, S'] that these T queries attend over."""
+        kc, vc = self.k[layer], self.v[layer]
+        B, S = kc.shape[:2]
+        rows = torch.arange(B, device=pos.device)[:, None]
+        if S == self.max_seq_len:                                        # full layer: write, then read it all
+            kc[rows, pos], vc[rows, pos] = k, v
+            return kc, vc, slot_positions(pos[:, -1:], S)
+        # Sliding ring: a query needs up to S - 1 earlier keys that this chunk's own writes may overwrite, so
+        # attend over the ring as it was plus the chunk, then keep the chunk's last S tokens.
+        ks, vs = torch.cat([kc, k], 1), torch.cat([vc, v], 1)
+        k_pos = torch.cat([slot_positions(pos[:, :1] - 1, S), pos], 1)
+        kc[rows, pos[:, -S:] % S], vc[rows, pos[:, -S:] % S] = k[:, -S:], v[:, -S:]
         return ks, vs, k_pos
 
-    def advance(self, pos):
-        """After all layers have stored positions pos [B, T]: record them in the position tables."""
-        W = self.window
-        self.full_pos.scatter_(1, pos, pos)
-        self.ring_pos.scatter_(1, pos[:, -W:] % W, pos[:, -W:])
+
+# -----------------------------------------------------------------------------
+# Decode step: one CUDA graph per batch size
+
+
+class DecodeStep:
+    """next ids [B] = sample(model(ids [B], pos [B])) for the B sequences of `cache`, replayed from a CUDA graph.
+
+    Everything the step reads lives in static buffers (ids, positions, the cache, the rope table), so a step is
+    two small copies and one replay. Build it before prefilling: the warm-up steps (which also compile the
+    Triton kernels) write at position 0. graph=False runs the same step eagerly."""
+
+    def __init__(self, model, cache, temperature, top_k, top_p, n_vocab=None, graph=True):
+        self.model, self.cache, self.graph = model, cache, None
+        self.sampling, self.n_vocab = (temperature, top_k, top_p), n_vocab
+        B, dev = cache.batch_size, model.device
+        self.ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        self.out = self._step()                                          # warm-up (and rope table)
+        if graph:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):                              # warmup on a side stream, as torch asks
+                self._step()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):                           # capture
+                self.out = self._step()
+
+    def _step(self):
+        return self.sample(self.model(self.ids, self.pos, self.cache)[:, -1])
+
+    def sample(self, logits):
+        """Next ids [B] from fp32 logits [B, V] with this step's sampling settings."""
+        if self.n_vocab is not None and self.n_vocab < logits.shape[-1]:
+            logits[:, self.n_vocab:] = float("-inf")                     # ids the tokenizer cannot decode
+        return sample(logits, *self.sampling)
+
+    def __call__(self, ids, pos):
+        """ids, pos [B] on the device -> sampled next ids [B] (a static buffer: copy it to keep it)."""
+        self.ids.copy_(ids[:, None])
+        self.pos.copy_(pos[:, None])
+        if self.graph is None:
+            self.out = self._step()
+        else:
+            self.graph.replay()
+        return self.out
 
 
 # -----------------------------------------------------------------------------

@@ -14,25 +14,22 @@ import load
 
 
 @torch.inference_mode()
-def generate(model, cache, prompts, max_new_tokens, temperature, top_k, top_p, n_vocab=None):
-    """Prefill each prompt (lists of token ids) into its row of the cache, then decode all rows together.
-
-    Yields the sampled ids [B] (a tensor on the model's device) once per step; the caller decides when to stop."""
-    B, dev = len(prompts), model.device
+def generate(model, cache, prompts, max_new_tokens, temperature, top_k, top_p, n_vocab=None, graph=True):
+    """Prefill each prompt (lists of token ids) into its row of the cache, then decode all rows together, one
+    CUDA-graph replay per token on the GPU. Yields the sampled ids [B] (on the device) once per step; the caller
+    decides when to stop."""
+    dev = model.device
+    step = flint.DecodeStep(model, cache, temperature, top_k, top_p, n_vocab, graph=graph and dev.type == "cuda")
     logits = []
     for b, ids in enumerate(prompts):                                   # prompts differ in length: one at a time
-        ids_t = torch.tensor([ids], device=dev)
         pos = torch.arange(len(ids), device=dev)[None]
-        logits.append(model(ids_t, pos, cache.row(b), last_only=True)[:, -1])
-    logits = torch.cat(logits)                                          # [B, V] fp32
-    pos = torch.tensor([[len(ids)] for ids in prompts], device=dev)     # [B, 1] next position per row
-    for step in range(max_new_tokens):
-        if n_vocab is not None and n_vocab < logits.shape[-1]:
-            logits[:, n_vocab:] = float("-inf")                         # ids the tokenizer cannot decode
-        tok = flint.sample(logits, temperature, top_k, top_p)           # [B]
+        logits.append(model(torch.tensor([ids], device=dev), pos, cache.row(b), last_only=True)[:, -1])
+    tok = step.sample(torch.cat(logits))                                # [B]
+    pos = torch.tensor([len(ids) for ids in prompts], device=dev)       # [B] next position per row
+    for i in range(max_new_tokens):
         yield tok
-        if step + 1 < max_new_tokens:
-            logits = model(tok[:, None], pos, cache)[:, -1]
+        if i + 1 < max_new_tokens:
+            tok = step(tok, pos).clone()
             pos += 1
 
 
@@ -82,7 +79,8 @@ def main(args):
     out = [[] for _ in ids]
     t0 = time.perf_counter()
     t_first, done = None, [False] * len(ids)
-    for t in generate(model, cache, ids, args.max_new_tokens, n_vocab=tok.n_vocab, **sampling):
+    for t in generate(model, cache, ids, args.max_new_tokens, n_vocab=tok.n_vocab, graph=not args.no_graph,
+                      **sampling):
         t = t.tolist()                                                  # the only host sync per step
         t_first = t_first or time.perf_counter()
         for b, tb in enumerate(t):
@@ -137,6 +135,7 @@ def parser():
     p.add_argument("--max-seq-len", type=int, help="KV cache length (default: the model's context)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object (ids, text, stats) instead of text")
+    p.add_argument("--no-graph", action="store_true", help="decode eagerly instead of replaying a CUDA graph")
     return p
 
 

@@ -127,7 +127,7 @@ def test_cached_decode_equals_recompute(hf_tiny):
     steps = [model(ids[:, :7], pos[:, :7], cache)] + [model(ids[:, t:t + 1], pos[:, t:t + 1], cache)
                                                       for t in range(7, T)]
     assert (torch.cat(steps, 1) - full).abs().max() <= 1e-5
-    cache.reset()
+    # the same cache again from position 0: what the first pass left must be invisible
     chunks = [model(ids[:, a:b], pos[:, a:b], cache) for a, b in [(0, 3), (3, 11), (11, 12), (12, T)]]
     assert (torch.cat(chunks, 1) - full).abs().max() <= 1e-5
 
@@ -150,7 +150,8 @@ def test_kv_cache_size():
     cfg = flint.Config(rope_theta=10000.0)
     n = 4096
     cache = flint.KVCache(cfg, 1, n, torch.bfloat16, "meta")
-    assert cache.full_k.shape == (14, 1, n, 4, 128) and cache.ring_k.shape == (35, 1, 513, 4, 128)
+    shapes = [tuple(k.shape) for k in cache.k]
+    assert shapes.count((1, n, 4, 128)) == 14 and shapes.count((1, 513, 4, 128)) == 35
     per_token, rings = 14 * 2 * 4 * 128 * 2, 35 * 513 * 2 * 4 * 128 * 2
     assert per_token == 28 * 1024 and cache.nbytes == n * per_token + rings
     assert 35 * 2**20 < rings < 36 * 2**20
@@ -161,9 +162,9 @@ def test_kv_cache_size():
 
 
 def test_routing_ties_go_to_lowest_index():
-    router = torch.zeros(8, 4)
-    router[[1, 3, 5, 6]] = 1.0                                          # four equal best experts
-    w, e = flint.route_ref(torch.ones(2, 4), router, top_k=3, norm_topk_prob=True)
+    logits = torch.zeros(2, 8)
+    logits[:, [1, 3, 5, 6]] = 1.0                                       # four equal best experts
+    w, e = flint.route_ref(logits, top_k=3, norm_topk_prob=True)
     assert e.tolist() == [[1, 3, 5]] * 2
     assert torch.allclose(w.sum(-1), torch.ones(2))
 
