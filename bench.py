@@ -1,0 +1,127 @@
+"""Decode benchmark: the full-size Flint with random weights built on the GPU (no checkpoint or disk needed).
+
+python bench.py                      # BF16 and NVFP4, batch 1/8/64, context 512 and 32K, fast vs reference path
+
+Measures the two bandwidth floors first (device copy, large GEMV read), then per configuration the median time of
+CUDA-graph replays of one decode step (fast path) or of eager steps (plain-torch reference path), and reports
+tok/s, ms per step, the bytes a step must read (active weights + KV cache), achieved GB/s and its share of the
+measured floor. Prints a markdown table last.
+"""
+import argparse
+import datetime
+import statistics
+import sys
+
+import torch
+
+import flint
+
+QUANT_KINDS = ("attn.qkv", "attn.o", "ffn.gate_up", "ffn.down", "ffn.shared_gate_up", "ffn.shared_down", "lm_head")
+
+
+def floors(dev):
+    """GB/s of a device-to-device copy (read + write) and of a bf16 GEMV that reads an lm_head-sized weight."""
+    from triton.testing import do_bench
+    a = torch.empty(2**30, dtype=torch.uint8, device=dev).random_()
+    b = torch.empty_like(a)
+    t = do_bench(lambda: b.copy_(a), return_mode="median")
+    copy = 2 * a.numel() / t / 1e6
+    del a, b
+    w = torch.randn(150144, 2048, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(1, 2048, device=dev, dtype=torch.bfloat16)
+    t = do_bench(lambda: torch.mm(x, w.t()), return_mode="median")
+    return copy, w.numel() * 2 / t / 1e6
+
+
+def step_bytes(cfg, B, ctx, nvfp4):
+    """Bytes one decode step must read: weights of the experts B tokens touch (expected unique experts under
+    uniform routing) and everything else once, plus the KV cache at context ctx."""
+    C, D, H, G = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    E, A, I, S = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    per = 0.5625 if nvfp4 else 2.0                                      # NVFP4: 4 bits + one e4m3 scale per 16
+    n_moe = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
+    n_dense = cfg.num_hidden_layers - n_moe
+    experts = E * (1 - (1 - A / E) ** B)
+    linear = (cfg.num_hidden_layers * ((H + 2 * G) * D * C + C * H * D) + n_dense * 3 * C * cfg.intermediate_size
+              + n_moe * (experts * 3 * C * I + 3 * C * S) + cfg.vocab_size * C)
+    router = n_moe * E * C * 2
+    n_full = sum(not cfg.is_sliding(i) for i in range(cfg.num_hidden_layers))
+    kv = B * 2 * G * D * 2 * (n_full * ctx + (cfg.num_hidden_layers - n_full) * min(ctx, cfg.sliding_window))
+    return linear * per + router + kv
+
+
+def time_steps(step, B, ctx, dev, iters):
+    """Median seconds of one decode step at position ctx."""
+    ids = torch.randint(0, 1000, (B,), device=dev)
+    pos = torch.full((B,), ctx, device=dev)
+    for _ in range(2):
+        step(ids, pos)
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step(ids, pos)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def bench_config(model, cfg, weights, B, ctx, args, gemv_bw):
+    dev = model.device
+    cache = flint.KVCache(cfg, B, ctx + 8, torch.bfloat16, dev)
+    for k, v in zip(cache.k, cache.v):                                  # random contents, as a real cache has
+        k.normal_()
+        v.normal_()
+    nbytes = step_bytes(cfg, B, ctx, weights == "nvfp4")
+    rows = []
+    for path in args.paths:
+        model.decode_ops = flint.kernel_ops() if path == "fast" else flint.REFERENCE_OPS
+        step = flint.DecodeStep(model, cache, 0.0, 0, 1.0, graph=path == "fast")
+        t = time_steps(step, B, ctx, dev, args.iters if path == "fast" else 3)
+        del step
+        row = dict(weights=weights, path=path, batch=B, context=ctx, tok_s=B / t, ms=t * 1e3,
+                   gb=nbytes / 1e9, gbs=nbytes / t / 1e9, floor=nbytes / t / 1e6 / gemv_bw * 100)
+        print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+              file=sys.stderr)
+        rows.append(row)
+    return rows
+
+
+def main(args):
+    dev = torch.device("cuda")
+    copy_bw, gemv_bw = floors(dev)
+    print(f"floors: device copy {copy_bw:.0f} GB/s, bf16 GEMV read {gemv_bw:.0f} GB/s", file=sys.stderr)
+    cfg = flint.Config(rope_theta=10000.0)
+    rows = []
+    for weights in args.weights:
+        nvfp4 = weights == "nvfp4"
+        names = [n for n, _ in flint.Transformer(cfg, torch.bfloat16, "meta").weights() if n.endswith(QUANT_KINDS)]
+        model = flint.init_random(flint.Transformer(cfg, torch.bfloat16, dev, nvfp4=names if nvfp4 else ()))
+        print(f"{weights}: {torch.cuda.memory_allocated() / 2**30:.1f} GiB of weights", file=sys.stderr)
+        for ctx in args.context:
+            for B in args.batch:
+                try:
+                    rows += bench_config(model, cfg, weights, B, ctx, args, gemv_bw)
+                except torch.OutOfMemoryError:
+                    print(f"{weights} batch {B} context {ctx}: out of memory", file=sys.stderr)
+                torch.cuda.empty_cache()
+        del model
+        torch.cuda.empty_cache()
+    print(f"\n{torch.cuda.get_device_name()}, {datetime.date.today()}, torch {torch.__version__}; floors: copy "
+          f"{copy_bw:.0f} GB/s, GEMV read {gemv_bw:.0f} GB/s; `python bench.py {' '.join(sys.argv[1:])}`\n")
+    print("| weights | path | batch | context | tok/s | ms/step | GB/step | GB/s | % of floor |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['weights']} | {r['path']} | {r['batch']} | {r['context']} | {r['tok_s']:.1f} | {r['ms']:.2f} | "
+              f"{r['gb']:.2f} | {r['gbs']:.0f} | {r['floor']:.0f}% |")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--weights", nargs="+", default=["bf16", "nvfp4"], choices=["bf16", "nvfp4"])
+    p.add_argument("--batch", nargs="+", type=int, default=[1, 8, 64])
+    p.add_argument("--context", nargs="+", type=int, default=[512, 32768])
+    p.add_argument("--paths", nargs="+", default=["fast", "reference"], choices=["fast", "reference"])
+    p.add_argument("--iters", type=int, default=50, help="timed graph replays per configuration")
+    main(p.parse_args())

@@ -1,0 +1,531 @@
+"""Triton kernels for Flint decode: each has a plain-torch twin of the same name plus `_ref` in flint.py.
+
+- add_norm_linear: residual add + RMSNorm + GEMV (qkv, router, lm_head), optionally + SwiGLU (dense MLP gate/up).
+- linear: GEMV (o_proj, dense down).
+- attention_decode: q/k RMSNorm + RoPE + KV-cache write + attention with learned sinks, split over the keys
+  (flash-decoding, Dao et al. 2023) so that one sequence fills the GPU, then a combine kernel.
+- moe_experts: sigmoid top-k routing + gate/up + SwiGLU of the selected experts and the shared expert in one
+  launch, then down + weighted combine + shared add in one launch.
+
+Weights are bf16 [N, K] or NVFP4 (flint.NVFP4: nibble plane [N, K/2], e4m3 scales [N, K/16], fp32 row scale),
+dequantized in registers (no FP4 tensor cores on SM90). Every product is exact in fp32 and sums accumulate in fp32,
+like the references; kernels differ from them only in summation order (and, in attention, in the running max that
+P is rounded against). Kernels also run under TRITON_INTERPRET=1 (CPU CI): there bf16 is emulated, so tensors are
+cast to fp32 right after loading and tl.dot runs in fp32.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"   # set by the caller before importing triton
+INTERPRET_DOT = tl.constexpr(INTERPRET)                 # the interpreter's tl.dot needs fp32 operands
+LOG2E = 1.4426950408889634                              # 1 / ln 2: softmax runs on exp2
+
+
+# -----------------------------------------------------------------------------
+# Shared pieces: input rows, weight tiles, multiply-accumulate
+
+
+@triton.jit
+def _round_bf16(x):
+    """Round fp32 to the nearest bf16 (ties to even), kept in fp32: where the reference stores an intermediate in
+    the model dtype. Integer ops, because the interpreter's fp32 -> bf16 cast truncates."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_bf16(x):
+    return _round_bf16(x).to(tl.bfloat16)                             # exact: the value is a bf16 already
+
+
+@triton.jit
+def _load_f32(ptr, mask):
+    # the interpreter refuses `other=` on bf16 loads: mask afterwards
+    return tl.where(mask, tl.load(ptr, mask=mask).to(tl.float32), 0.0)
+
+
+@triton.jit
+def _e2m1(code):
+    """E2M1 code (uint8, 4 bits) -> value / 2^14 as fp32: the 3 magnitude bits go to fp16 bits 9-11, the sign to
+    bit 15, and the bitcast gives 0, 0.5, 1, ..., 6 times 2^-14 (fp16 subnormals for 0 and 0.5)."""
+    c = code.to(tl.uint16)
+    return (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, offs_k, B, K, stride_b,
+                ADD: tl.constexpr, NORM: tl.constexpr):
+    """Input tile [BLOCK_B, len(offs_k)] fp32: x (+ dx), RMS-normalized by rstd and nw and rounded like h."""
+    mask = (offs_b[:, None] < B) & (offs_k[None, :] < K)
+    off = offs_b[:, None] * stride_b + offs_k[None, :]
+    x = _load_f32(x_ptr + off, mask)
+    if ADD:
+        x += _load_f32(dx_ptr + off, mask)
+    if NORM:
+        nw = _load_f32(nw_ptr + offs_k, offs_k < K)
+        x = _round_bf16(x * rstd[:, None] * nw[None, :])
+    return x
+
+
+@triton.jit
+def _mac(acc, x, w, offs_b, BLOCK_B: tl.constexpr, DOT: tl.constexpr):
+    """acc[b, n] += sum_k x[b, k] * w[n, k] (fp32). Tensor cores from 16 rows up (bf16 operands: the values are
+    bf16-exact, so products are exact); below, one broadcast multiply-sum per row."""
+    if DOT:
+        if INTERPRET_DOT:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+    else:
+        for b in tl.static_range(BLOCK_B):
+            xb = tl.sum(tl.where(offs_b[:, None] == b, x, 0.0), axis=0)          # row b [BLOCK_K]
+            part = tl.sum(w * xb[None, :], axis=1)                               # [BLOCK_N]
+            acc += tl.where(offs_b[:, None] == b, part[None, :], 0.0)
+    return acc
+
+
+
+@triton.jit
+def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
+          w_ptr, s_ptr, offs_n, N, K,
+          ADD: tl.constexpr, NORM: tl.constexpr, NVFP4: tl.constexpr,
+          BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
+    """acc[b, n] += input[b, :] . W[offs_n, :] over all of K, for a bf16 or NVFP4 weight (rows offs_n < N)."""
+    nmask = offs_n < N
+    if NVFP4:
+        # packed byte j of a row holds elements 2j (low nibble) and 2j+1 (high): multiply even and odd input
+        # columns separately; one e4m3 scale per 16 elements = per 8 bytes
+        offs_j = tl.arange(0, BLOCK_K // 2)
+        for k0 in range(0, K, BLOCK_K):
+            wmask = nmask[:, None] & (k0 + 2 * offs_j[None, :] < K)
+            byte = tl.load(w_ptr + offs_n[:, None] * (K // 2) + k0 // 2 + offs_j[None, :], mask=wmask, other=0)
+            sc = _load_f32(s_ptr + offs_n[:, None] * (K // 16) + k0 // 16 + offs_j[None, :] // 8, wmask) * 16384.0
+            # (2^14 undoes _e2m1's scaling)
+            w_lo = _e2m1(byte & 15) * sc
+            w_hi = _e2m1(byte >> 4) * sc
+            x_even = _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, k0 + 2 * offs_j, B, K, stride_b, ADD, NORM)
+            x_odd = _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, k0 + 2 * offs_j + 1, B, K, stride_b, ADD, NORM)
+            acc = _mac(acc, x_even, w_lo, offs_b, BLOCK_B, DOT)
+            acc = _mac(acc, x_odd, w_hi, offs_b, BLOCK_B, DOT)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            w = _load_f32(w_ptr + offs_n[:, None] * K + k0 + offs_k[None, :], nmask[:, None] & (k0 + offs_k[None, :] < K))
+            x = _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, k0 + offs_k, B, K, stride_b, ADD, NORM)
+            acc = _mac(acc, x, w, offs_b, BLOCK_B, DOT)
+    return acc
+
+
+@triton.jit
+def _row_rstd(x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD: tl.constexpr, BLOCK_B: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """1 / rms of each input row (x + dx summed in fp32), [BLOCK_B]."""
+    offs_k = tl.arange(0, BLOCK_K)
+    ss = tl.zeros([BLOCK_B], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = _input_rows(x_ptr, dx_ptr, x_ptr, ss, offs_b, k0 + offs_k, B, K, stride_b, ADD, False)
+        ss += tl.sum(x * x, axis=1)
+    return 1.0 / tl.sqrt(ss / K + eps)                  # matches torch.rsqrt to an ulp
+
+
+def _weight_args(w):
+    """(main pointer, scale pointer, row-scale pointer, is_nvfp4) for a bf16 tensor or a flint.NVFP4."""
+    if hasattr(w, "packed"):
+        assert w.packed.is_contiguous() and w.scales.is_contiguous(), "NVFP4 planes must be contiguous"
+        return w.packed, w.scales, w.row_scale, True
+    assert w.dtype == torch.bfloat16 and w.is_contiguous(), f"weights must be contiguous bf16, got {w.dtype}"
+    return w, w, w, False
+
+
+def _block_b(B):
+    assert 1 <= B <= 64, f"decode kernels take 1..64 rows, got {B}"
+    return max(1, triton.next_power_of_2(B))
+
+
+# -----------------------------------------------------------------------------
+# add_norm_linear / linear: (residual add + RMSNorm +) GEMV (+ SwiGLU)
+
+
+@triton.jit
+def _linear_kernel(
+    # pointers
+    x_ptr, dx_ptr, nw_ptr, x_out_ptr, h_out_ptr,
+    w_ptr, s_ptr, rs_ptr, y_ptr,
+    # sizes
+    B, N, K, eps,
+    # strides
+    stride_xb, stride_yb,
+    # meta-parameters
+    ADD: tl.constexpr, NORM: tl.constexpr, NVFP4: tl.constexpr, SWIGLU: tl.constexpr, OUT_F32: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_b = tl.arange(0, BLOCK_B)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    DOT: tl.constexpr = BLOCK_B >= 16
+    rstd = tl.zeros([BLOCK_B], dtype=tl.float32)
+    if NORM:
+        rstd = _row_rstd(x_ptr, dx_ptr, offs_b, B, K, stride_xb, eps, ADD, BLOCK_B, BLOCK_K)
+        if pid == 0:                                                  # one program stores x + dx and h
+            offs_k = tl.arange(0, BLOCK_K)
+            for k0 in range(0, K, BLOCK_K):
+                mask = (offs_b[:, None] < B) & (k0 + offs_k[None, :] < K)
+                off = offs_b[:, None] * K + k0 + offs_k[None, :]
+                s = _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, k0 + offs_k, B, K, stride_xb, ADD, False)
+                h = _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, k0 + offs_k, B, K, stride_xb, ADD, True)
+                tl.store(x_out_ptr + off, _to_bf16(s), mask=mask)
+                tl.store(h_out_ptr + off, _to_bf16(h), mask=mask)
+    N_out = N // 2 if SWIGLU else N
+    acc = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
+    acc = _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_xb, w_ptr, s_ptr, offs_n, N_out, K,
+                ADD, NORM, NVFP4, BLOCK_B, BLOCK_K, DOT)
+    if NVFP4:
+        acc *= _load_f32(rs_ptr + offs_n, offs_n < N_out)[None, :]
+    if SWIGLU:                                                        # up rows follow the gate rows
+        u = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
+        u = _gemv(u, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_xb, w_ptr + N_out * (K // 2 if NVFP4 else K),
+                  s_ptr + N_out * (K // 16), offs_n, N_out, K, ADD, NORM, NVFP4, BLOCK_B, BLOCK_K, DOT)
+        if NVFP4:
+            u *= _load_f32(rs_ptr + N_out + offs_n, offs_n < N_out)[None, :]
+        g, u = _round_bf16(acc), _round_bf16(u)                       # the dense gate/up GEMMs output bf16
+        acc = g / (1.0 + tl.exp(-g)) * u
+    mask = (offs_b[:, None] < B) & (offs_n[None, :] < N_out)
+    y = acc if OUT_F32 else _to_bf16(acc)
+    tl.store(y_ptr + offs_b[:, None] * stride_yb + offs_n[None, :], y, mask=mask)
+
+
+def _launch_linear(x, dx, norm_w, w, eps, swiglu=False, f32=False):
+    B, K = x.shape
+    wp, sp, rsp, nvfp4 = _weight_args(w)
+    N = w.shape[0]
+    assert w.shape[-1] == K, f"weight {tuple(w.shape)} does not take inputs of width {K}"
+    assert x.is_contiguous() and x.dtype == torch.bfloat16, "inputs must be contiguous bf16 rows"
+    N_out = N // 2 if swiglu else N
+    y = torch.empty(B, N_out, device=x.device, dtype=torch.float32 if f32 else torch.bfloat16)
+    norm = norm_w is not None
+    x_out = torch.empty_like(x) if norm else x
+    h_out = torch.empty_like(x) if norm else x
+    BLOCK_B = _block_b(B)
+    BLOCK_N = 16 if not INTERPRET else 32
+    BLOCK_K = 256 if not INTERPRET else 64
+    grid = (triton.cdiv(N_out, BLOCK_N),)
+    _linear_kernel[grid](
+        x, dx if dx is not None else x, norm_w if norm else x, x_out, h_out,
+        wp, sp, rsp, y,
+        B, N, K, eps,
+        x.stride(0), y.stride(0),
+        ADD=dx is not None, NORM=norm, NVFP4=nvfp4, SWIGLU=swiglu, OUT_F32=f32,
+        BLOCK_B=BLOCK_B, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
+    return x_out, h_out, y
+
+
+def add_norm_linear(x, dx, norm_w, w, eps, f32=False):
+    """x, dx [N, C] bf16 (dx may be None) -> (bf16(x + dx), h = rmsnorm(x + dx), h @ w^T) (fp32 if f32)."""
+    return _launch_linear(x, dx, norm_w, w, eps, f32=f32)
+
+
+def add_norm_swiglu(x, dx, norm_w, gate_up, eps):
+    """Dense MLP input: -> (bf16(x + dx), silu(h @ gate^T) * (h @ up^T)); gate_up rows: gate, then up."""
+    x, _, act = _launch_linear(x, dx, norm_w, gate_up, eps, swiglu=True)
+    return x, act
+
+
+def linear(x, w):
+    """x [N, K] bf16 -> x @ w^T bf16."""
+    return _launch_linear(x, None, None, w, 0.0)[2]
+
+
+# -----------------------------------------------------------------------------
+# attention_decode: q/k norm + RoPE + KV write + split-KV attention with sinks, then combine
+
+
+@triton.jit
+def _attention_decode_kernel(
+    # pointers
+    qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
+    m_ptr, l_ptr, acc_ptr,
+    # sizes
+    S, eps, qk_scale,
+    # strides
+    stride_qkv, stride_cb, stride_cs,
+    # meta-parameters
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    R: tl.constexpr = H // G                                          # query heads per kv head
+    HALF: tl.constexpr = D // 2
+    p = tl.load(pos_ptr + b)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, HALF)
+    rmask = offs_r[:, None] < R
+    row = qkv_ptr + b * stride_qkv
+
+    # ---- q of the R heads of group g and this token's k, v: per-head RMSNorm (shared weight), rounded, then
+    # NeoX RoPE on sliding layers over the halves (d, d + D/2) from the fp32 table, rounded once
+    q_ptr = row + (g * R + offs_r[:, None]) * D + offs_d[None, :]
+    q1, q2 = _load_f32(q_ptr, rmask), _load_f32(q_ptr + HALF, rmask)
+    k_ptr = row + (H + g) * D + offs_d
+    k1, k2 = _load_f32(k_ptr, offs_d < HALF), _load_f32(k_ptr + HALF, offs_d < HALF)
+    rq = 1.0 / tl.sqrt((tl.sum(q1 * q1, 1) + tl.sum(q2 * q2, 1)) / D + eps)
+    rk = 1.0 / tl.sqrt((tl.sum(k1 * k1, 0) + tl.sum(k2 * k2, 0)) / D + eps)
+    wq1, wq2 = _load_f32(qn_ptr + offs_d, offs_d < HALF), _load_f32(qn_ptr + HALF + offs_d, offs_d < HALF)
+    wk1, wk2 = _load_f32(kn_ptr + offs_d, offs_d < HALF), _load_f32(kn_ptr + HALF + offs_d, offs_d < HALF)
+    q1, q2 = _round_bf16(q1 * rq[:, None] * wq1[None, :]), _round_bf16(q2 * rq[:, None] * wq2[None, :])
+    k1, k2 = _round_bf16(k1 * rk * wk1), _round_bf16(k2 * rk * wk2)
+    if WINDOW > 0:
+        cos = tl.load(cos_ptr + p * HALF + offs_d)
+        sin = tl.load(sin_ptr + p * HALF + offs_d)
+        q1, q2 = _round_bf16(q1 * cos[None, :] - q2 * sin[None, :]), _round_bf16(q2 * cos[None, :] + q1 * sin[None, :])
+        k1, k2 = _round_bf16(k1 * cos - k2 * sin), _round_bf16(k2 * cos + k1 * sin)
+    offs_v = tl.arange(0, D)
+    v = _load_f32(row + (H + G + g) * D + offs_v, offs_v < D)
+
+    # ---- store k, v at slot p % S (the ring on sliding layers; S = max length on full layers, p < S)
+    cache_b = b.to(tl.int64) * stride_cb + g * D
+    if split == 0:
+        new = cache_b + (p % S).to(tl.int64) * stride_cs
+        tl.store(k_cache_ptr + new + offs_d, _to_bf16(k1))
+        tl.store(k_cache_ptr + new + HALF + offs_d, _to_bf16(k2))
+        tl.store(v_cache_ptr + new + offs_v, _to_bf16(v))
+
+    # ---- the n visible keys are positions p - n + 1 .. p; this split takes one contiguous share of them.
+    # The newest key comes from registers (another program may be writing its slot right now).
+    n = p + 1
+    if WINDOW > 0:
+        n = tl.minimum(n, WINDOW)
+    chunk = tl.cdiv(tl.cdiv(n, NUM_SPLITS), BLOCK_S) * BLOCK_S
+    start = split * chunk
+    end = tl.minimum(start + chunk, n)
+    m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
+    offs_s = tl.arange(0, BLOCK_S)
+    for s0 in range(start, end, BLOCK_S):
+        i = s0 + offs_s
+        valid = i < end
+        kp = p - n + 1 + i                                            # key positions
+        slot = (kp % S).to(tl.int64)
+        is_new = (kp == p)[:, None]
+        kc = k_cache_ptr + cache_b + slot[:, None] * stride_cs + offs_d[None, :]
+        kt1 = tl.where(is_new, k1[None, :], _load_f32(kc, valid[:, None]))
+        kt2 = tl.where(is_new, k2[None, :], _load_f32(kc + HALF, valid[:, None]))
+        vt = tl.where(is_new, v[None, :],
+                      _load_f32(v_cache_ptr + cache_b + slot[:, None] * stride_cs + offs_v[None, :], valid[:, None]))
+        if INTERPRET_DOT:
+            s = tl.dot(q1, tl.trans(kt1), input_precision="ieee") + tl.dot(q2, tl.trans(kt2), input_precision="ieee")
+        else:
+            s = tl.dot(q1.to(tl.bfloat16), tl.trans(kt1.to(tl.bfloat16))) + \
+                tl.dot(q2.to(tl.bfloat16), tl.trans(kt2.to(tl.bfloat16)))
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))     # log2 units: scale * log2(e) folded in
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        pexp = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(pexp, 1)
+        # unnormalized P rounded to bf16 for P @ V (the serving reference), fp32 row sum
+        if INTERPRET_DOT:
+            pv = tl.dot(_round_bf16(pexp), vt, input_precision="ieee")
+        else:
+            pv = tl.dot(pexp.to(tl.bfloat16), vt.to(tl.bfloat16))
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    # ---- partials [B, H, NUM_SPLITS] (m in log2 units) and [B, H, NUM_SPLITS, D]
+    h = g * R + offs_r
+    part = (b * H + h) * NUM_SPLITS + split
+    tl.store(m_ptr + part, m_i, mask=offs_r < R)
+    tl.store(l_ptr + part, l_i, mask=offs_r < R)
+    tl.store(acc_ptr + part[:, None] * D + offs_v[None, :], acc, mask=rmask)
+
+
+@triton.jit
+def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, o_ptr,
+                              H: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """o = sum_s acc_s 2^(m_s - M) / (sum_s l_s 2^(m_s - M) + e^(sink - M')), M = max(m_s, sink)."""
+    b, h = tl.program_id(0), tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, D)
+    part = (b * H + h) * NUM_SPLITS + offs_s
+    m = tl.load(m_ptr + part)
+    l = tl.load(l_ptr + part)
+    sink = tl.load(sinks_ptr + h) * 1.4426950408889634               # the sink is a scaled-score logit: to log2
+    m_all = tl.maximum(tl.max(m, 0), sink)
+    w = tl.exp2(m - m_all)                                            # empty splits: 2^-inf = 0
+    denom = tl.sum(l * w, 0) + tl.exp2(sink - m_all)
+    acc = tl.load(acc_ptr + part[:, None] * D + offs_d[None, :])
+    o = tl.sum(acc * w[:, None], 0) / denom
+    tl.store(o_ptr + (b * H + h) * D + offs_d, _to_bf16(o))
+
+
+def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos, window, eps):
+    """One new token per row. qkv [B, (H+2G)D] bf16 (before q/k norm and RoPE); caches [B, S, G, D]; pos [B];
+    window 0 = full layer (no RoPE). Writes the token's k, v at slot pos % S; returns o [B, H*D] bf16."""
+    B, S, G, D = k_cache.shape
+    H = sinks.shape[0]
+    assert qkv.shape == (B, (H + 2 * G) * D) and qkv.is_contiguous() and qkv.dtype == torch.bfloat16
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.bfloat16
+    assert pos.shape == (B,) and sinks.dtype == torch.float32 and cos.dtype == torch.float32
+    # enough programs to fill the GPU at batch 1 (4 kv heads); the interpreter runs programs one by one
+    NUM_SPLITS = 2 if INTERPRET else 4 if window else max(4, min(64, triton.next_power_of_2(triton.cdiv(S, 1024))))
+    BLOCK_S = 32 if not INTERPRET else 16
+    m = torch.empty(B, H, NUM_SPLITS, device=qkv.device, dtype=torch.float32)
+    l = torch.empty_like(m)
+    acc = torch.empty(B, H, NUM_SPLITS, D, device=qkv.device, dtype=torch.float32)
+    _attention_decode_kernel[(B, G, NUM_SPLITS)](
+        qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos,
+        m, l, acc,
+        S, eps, D ** -0.5 * LOG2E,
+        qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
+        H=H, G=G, D=D, WINDOW=window, NUM_SPLITS=NUM_SPLITS,
+        BLOCK_R=max(16, triton.next_power_of_2(H // G)), BLOCK_S=BLOCK_S, num_warps=4)
+    o = torch.empty(B, H * D, device=qkv.device, dtype=torch.bfloat16)
+    _attention_combine_kernel[(B, H)](m, l, acc, sinks, o, H=H, D=D, NUM_SPLITS=NUM_SPLITS, num_warps=4)
+    return o
+
+
+# -----------------------------------------------------------------------------
+# moe_experts: routing + gate/up + SwiGLU (routed and shared) in one launch; down + combine in another
+
+
+@triton.jit
+def _route(logits_ptr, b, E: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr, NORM_TOPK: tl.constexpr):
+    """Top-A experts of token b by router logit (ties: lowest index) and their weights sigmoid / sum, [A_PAD]."""
+    offs_e = tl.arange(0, E)
+    r = tl.load(logits_ptr + b * E + offs_e).to(tl.float32)
+    offs_a = tl.arange(0, A_PAD)
+    ids = tl.zeros([A_PAD], dtype=tl.int32)
+    vals = tl.zeros([A_PAD], dtype=tl.float32)
+    for a in tl.static_range(A):
+        best = tl.max(r, 0)
+        e = tl.min(tl.where(r == best, offs_e, E), 0)                 # lowest index among equal logits
+        ids = tl.where(offs_a == a, e, ids)
+        vals = tl.where(offs_a == a, best, vals)
+        r = tl.where(offs_e == e, float("-inf"), r)
+    w = tl.where(offs_a < A, 1.0 / (1.0 + tl.exp(-vals)), 0.0)       # sigmoid of the chosen logits
+    if NORM_TOPK:
+        w = w / (tl.sum(w, 0) + 1e-20)
+    return ids, _round_bf16(w)
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    # pointers
+    h_ptr, logits_ptr, w_ptr, s_ptr, rs_ptr, sw_ptr, ss_ptr, srs_ptr, act_ptr, ids_ptr, wts_ptr,
+    # sizes
+    C, I, S_W,
+    # meta-parameters
+    E: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr, NORM_TOPK: tl.constexpr, NVFP4: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Program (row block, slot j, token b): slot j < A is the token's j-th routed expert, slot A the shared one."""
+    rb, j, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ids, wts = _route(logits_ptr, b, E, A, A_PAD, NORM_TOPK)
+    offs_a = tl.arange(0, A_PAD)
+    if (rb == 0) & (j == 0):                                          # one program records the routing
+        tl.store(ids_ptr + b * A + offs_a, ids, mask=offs_a < A)
+        tl.store(wts_ptr + b * A + offs_a, wts, mask=offs_a < A)
+    shared = j == A
+    N = tl.where(shared, S_W, I)                                      # rows of gate (and of up) in this expert
+    if rb * BLOCK_N < N:
+        offs_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_b = tl.arange(0, 1)
+        e = tl.sum(tl.where(offs_a == j, ids, 0), 0).to(tl.int64)
+        if NVFP4:
+            row_bytes, row_scales = C // 2, C // 16
+        else:
+            row_bytes, row_scales = C, C
+        if shared:
+            wb, sb, rsb = sw_ptr, ss_ptr, srs_ptr
+        else:
+            wb = w_ptr + e * (2 * I) * row_bytes
+            sb = s_ptr + e * (2 * I) * row_scales
+            rsb = rs_ptr + e * (2 * I)
+        g = tl.zeros([1, BLOCK_N], dtype=tl.float32)
+        u = tl.zeros([1, BLOCK_N], dtype=tl.float32)
+        g = _gemv(g, h_ptr + b * C, h_ptr, h_ptr, g, offs_b, 1, C, wb, sb, offs_n, N, C,
+                  False, False, NVFP4, 1, BLOCK_K, False)
+        u = _gemv(u, h_ptr + b * C, h_ptr, h_ptr, u, offs_b, 1, C, wb + N * row_bytes, sb + N * row_scales,
+                  offs_n, N, C, False, False, NVFP4, 1, BLOCK_K, False)
+        if NVFP4:
+            g *= _load_f32(rsb + offs_n, offs_n < N)[None, :]
+            u *= _load_f32(rsb + N + offs_n, offs_n < N)[None, :]
+        # routed experts keep fp32 accumulators; the shared expert's gate/up outputs are bf16 (spec §2.5.5, §2.4)
+        g = tl.where(shared, _round_bf16(g), g)
+        u = tl.where(shared, _round_bf16(u), u)
+        act = g / (1.0 + tl.exp(-g)) * u
+        width = tl.maximum(I, S_W)
+        tl.store(act_ptr + (b * (A + 1) + j) * width + offs_n[None, :], _to_bf16(act),
+                 mask=offs_n[None, :] < N)
+
+
+@triton.jit
+def _moe_down_kernel(
+    # pointers
+    act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, rs_ptr, sw_ptr, ss_ptr, srs_ptr, out_ptr,
+    # sizes
+    C, I, S_W,
+    # meta-parameters
+    A: tl.constexpr, NVFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Program (row block, token b): out = bf16(bf16(sum_j w_j bf16(down_j act_j)) + bf16(down_s act_s))."""
+    rb, b = tl.program_id(0), tl.program_id(1)
+    offs_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_b = tl.arange(0, 1)
+    nmask = offs_n < C
+    width = tl.maximum(I, S_W)
+    if NVFP4:
+        row_bytes, row_scales = I // 2, I // 16
+    else:
+        row_bytes, row_scales = I, I
+    routed = tl.zeros([1, BLOCK_N], dtype=tl.float32)
+    for j in range(A):
+        e = tl.load(ids_ptr + b * A + j).to(tl.int64)
+        w = tl.load(wts_ptr + b * A + j)
+        y = tl.zeros([1, BLOCK_N], dtype=tl.float32)
+        y = _gemv(y, act_ptr + (b * (A + 1) + j) * width, act_ptr, act_ptr, y, offs_b, 1, I,
+                  w_ptr + e * C * row_bytes, s_ptr + e * C * row_scales, offs_n, C, I,
+                  False, False, NVFP4, 1, BLOCK_K, False)
+        if NVFP4:
+            y *= _load_f32(rs_ptr + e * C + offs_n, nmask)[None, :]
+        routed += w * _round_bf16(y)                                  # y_e is bf16; the weighted sum is fp32
+    y = tl.zeros([1, BLOCK_N], dtype=tl.float32)
+    y = _gemv(y, act_ptr + (b * (A + 1) + A) * width, act_ptr, act_ptr, y, offs_b, 1, S_W,
+              sw_ptr, ss_ptr, offs_n, C, S_W, False, False, NVFP4, 1, BLOCK_K, False)
+    if NVFP4:
+        y *= _load_f32(srs_ptr + offs_n, nmask)[None, :]
+    out = _round_bf16(routed) + _round_bf16(y)
+    tl.store(out_ptr + b * C + offs_n[None, :], _to_bf16(out), mask=nmask[None, :])
+
+
+def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, norm_topk_prob):
+    """h [B, C] bf16, router logits [B, E] bf16 -> routed experts + shared expert [B, C] bf16."""
+    B, C = h.shape
+    E = logits.shape[1]
+    I, S_W = down.shape[-1], shared_down.shape[-1]
+    assert h.is_contiguous() and logits.is_contiguous() and h.dtype == torch.bfloat16
+    assert E == triton.next_power_of_2(E), f"the routing kernel needs a power-of-two expert count, got {E}"
+    wp, sp, rsp, nvfp4 = _weight_args(gate_up)
+    swp, ssp, srsp, s_nvfp4 = _weight_args(shared_gate_up)
+    dwp, dsp, drsp, d_nvfp4 = _weight_args(down)
+    sdwp, sdsp, sdrsp, sd_nvfp4 = _weight_args(shared_down)
+    assert nvfp4 == s_nvfp4 == d_nvfp4 == sd_nvfp4, "routed and shared experts must share one weight format"
+    _block_b(B)
+    BLOCK_N = 16 if not INTERPRET else 32
+    BLOCK_K = 256 if not INTERPRET else 64
+    act = torch.empty(B, top_k + 1, max(I, S_W), device=h.device, dtype=torch.bfloat16)
+    ids = torch.empty(B, top_k, device=h.device, dtype=torch.int32)
+    wts = torch.empty(B, top_k, device=h.device, dtype=torch.float32)
+    _moe_gate_up_kernel[(triton.cdiv(max(I, S_W), BLOCK_N), top_k + 1, B)](
+        h, logits, wp, sp, rsp, swp, ssp, srsp, act, ids, wts,
+        C, I, S_W,
+        E=E, A=top_k, A_PAD=triton.next_power_of_2(top_k), NORM_TOPK=norm_topk_prob, NVFP4=nvfp4, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
+    out = torch.empty_like(h)
+    _moe_down_kernel[(triton.cdiv(C, BLOCK_N), B)](
+        act, ids, wts, dwp, dsp, drsp, sdwp, sdsp, sdrsp, out,
+        C, I, S_W,
+        A=top_k, NVFP4=nvfp4, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
+    return out
