@@ -1,22 +1,27 @@
-"""Checkpoints for flint.py: HF BF16 safetensors directories, the tokenizer and the chat template.
+"""Checkpoints for flint.py: HF BF16 safetensors, ModelOpt NVFP4 safetensors, GGUF files (the official NVFP4 one
+and community quantizations), the tokenizer and the chat template.
 
-Every format is read lazily (memory-mapped) and streamed into the model's preallocated tensors one checkpoint tensor
+Every format is read lazily (memory-mapped) and streamed into the model's preallocated weights one checkpoint tensor
 at a time, so no second copy of the weights ever exists in host memory. Layout work (fusing q/k/v and gate/up,
-stacking experts) happens here, in plain functions; flint.py never sees checkpoint names. Errors name the file or
-tensor, what was expected, what was found and what to do.
+stacking experts, repacking NVFP4 blocks) happens here, in plain functions; flint.py never sees checkpoint names.
+Errors name the file or tensor, what was expected, what was found and what to do.
 """
 import codecs
 import datetime
 import functools
 import json
+import math
 import resource
 import sys
 import time
 import unicodedata
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
+import gguf
 import jinja2
+import numpy as np
 import regex
 import tiktoken
 import torch
@@ -34,10 +39,10 @@ REQUIRED_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_l
 OPTIONAL_KEYS = ["norm_topk_prob", "mlp_only_layers", "decoder_sparse_step", "layer_types", "no_rope_layer_indices",
                  "sliding_window", "rope_parameters", "rope_theta", "rms_norm_eps", "tie_word_embeddings",
                  "max_position_embeddings"]
-# Keys whose value, when present, must be this one: anything else is math flint.py does not implement
+# Keys whose value, when present, must be this one: anything else is math flint.py does not implement.
+# (quantization_config is checked by modelopt_quantization: only ModelOpt NVFP4 exports load.)
 FIXED_VALUES = {"model_type": "flint", "hidden_act": "silu", "attention_bias": False, "use_sliding_window": True,
-                "router_score_function": "sigmoid", "softmax_type": "learnable", "rope_scaling": None,
-                "quantization_config": None}
+                "router_score_function": "sigmoid", "softmax_type": "learnable", "rope_scaling": None}
 
 
 def config_from_hf(d, source="config.json"):
@@ -59,56 +64,176 @@ def config_from_hf(d, source="config.json"):
 
 
 # -----------------------------------------------------------------------------
-# HF safetensors names -> flint parameters (spec §4a)
+# Checkpoint names -> flint weights, for every format
 #
-# flint parameter -> HF tensor name(s); per layer under "model.layers.{L}.". A list fills the parameter's rows in
-# order (q/k/v into qkv, gate/up into gate_up), and "{E}" names one expert of a stacked [E, ...] parameter.
+# A table maps each flint weight to checkpoint tensor name(s), per layer under `layer_prefix` ("{}" = the layer
+# index). A list fills the weight's rows in order (q/k/v into qkv, gate/up into gate_up), and "{E}" names one
+# expert of a stacked [E, ...] weight; without "{E}" the checkpoint stacks the experts itself (GGUF).
 
-HF_GLOBAL = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
-HF_LAYER = {
-    "attn_norm": "input_layernorm.weight",
-    "ffn_norm": "post_attention_layernorm.weight",
-    "attn.qkv": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
-    "attn.o": "self_attn.o_proj.weight",
-    "attn.q_norm": "self_attn.q_norm.weight",
-    "attn.k_norm": "self_attn.k_norm.weight",
-    "attn.sinks": "self_attn.softmax_offset",                           # no ".weight"
-}
-HF_DENSE = {"ffn.gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "ffn.down": "mlp.down_proj.weight"}
-HF_MOE = {
-    "ffn.router": "mlp.gate.weight",
-    "ffn.gate_up": ["mlp.experts.{E}.gate_proj.weight", "mlp.experts.{E}.up_proj.weight"],
-    "ffn.down": "mlp.experts.{E}.down_proj.weight",
-    "ffn.shared_gate_up": ["mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"],
-    "ffn.shared_down": "mlp.shared_expert.down_proj.weight",
-}
-# transformers' in-memory names, which some exports write instead: one tensor for the whole parameter
-HF_ALIASES = {"attn.sinks": "self_attn.sinks", "ffn.gate_up": "mlp.experts.gate_up_proj",
-              "ffn.down": "mlp.experts.down_proj"}
+
+class NameTable(NamedTuple):
+    top: dict                   # embed, norm, lm_head
+    layer_prefix: str
+    layer: dict                 # every layer: norms and attention
+    dense: dict                 # layers in mlp_only_layers
+    moe: dict                   # the others
+    aliases: dict               # one tensor for the whole weight, used when the checkpoint has it
+
+
+# HF safetensors (spec §4a); ModelOpt NVFP4 exports use the same names (spec §4b)
+HF_NAMES = NameTable(
+    top={"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"},
+    layer_prefix="model.layers.{}.",
+    layer={
+        "attn_norm": "input_layernorm.weight",
+        "ffn_norm": "post_attention_layernorm.weight",
+        "attn.qkv": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+        "attn.o": "self_attn.o_proj.weight",
+        "attn.q_norm": "self_attn.q_norm.weight",
+        "attn.k_norm": "self_attn.k_norm.weight",
+        "attn.sinks": "self_attn.softmax_offset",                       # no ".weight"
+    },
+    dense={"ffn.gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "ffn.down": "mlp.down_proj.weight"},
+    moe={
+        "ffn.router": "mlp.gate.weight",
+        "ffn.gate_up": ["mlp.experts.{E}.gate_proj.weight", "mlp.experts.{E}.up_proj.weight"],
+        "ffn.down": "mlp.experts.{E}.down_proj.weight",
+        "ffn.shared_gate_up": ["mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"],
+        "ffn.shared_down": "mlp.shared_expert.down_proj.weight",
+    },
+    # transformers' in-memory names, which some exports write instead
+    aliases={"attn.sinks": "self_attn.sinks", "ffn.gate_up": "mlp.experts.gate_up_proj",
+             "ffn.down": "mlp.experts.down_proj"},
+)
 HF_IGNORED = ("rotary_emb.inv_freq",)                                   # recomputed from rope_theta
 
+# GGUF (spec §4c, the names of vLLM's gguf_nvfp4.py). NVFP4 tensors carry their global scale in "<name>.scale"
+# (".weight" -> ".scale"); experts are stacked [E, N, K], with gate and up separate.
+GGUF_NAMES = NameTable(
+    top={"embed": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"},
+    layer_prefix="blk.{}.",
+    layer={
+        "attn_norm": "attn_norm.weight",
+        "ffn_norm": "ffn_norm.weight",
+        "attn.qkv": ["attn_q.weight", "attn_k.weight", "attn_v.weight"],
+        "attn.o": "attn_output.weight",
+        "attn.q_norm": "attn_q_norm.weight",
+        "attn.k_norm": "attn_k_norm.weight",
+        "attn.sinks": "attn_sinks.weight",
+    },
+    dense={"ffn.gate_up": ["ffn_gate.weight", "ffn_up.weight"], "ffn.down": "ffn_down.weight"},
+    moe={
+        "ffn.router": "ffn_gate_inp.weight",
+        "ffn.gate_up": ["ffn_gate_exps.weight", "ffn_up_exps.weight"],
+        "ffn.down": "ffn_down_exps.weight",
+        "ffn.shared_gate_up": ["ffn_gate_shexp.weight", "ffn_up_shexp.weight"],
+        "ffn.shared_down": "ffn_down_shexp.weight",
+    },
+    aliases={},
+)
 
-def hf_pieces(cfg, name, param, available):
-    """The (view of `param`, HF tensor name) pairs that together fill flint parameter `name` exactly."""
-    if name in HF_GLOBAL:
-        return [(param, HF_GLOBAL[name])]
+# The weights flint.py can run as NVFP4 (linear layers); any other weight is dequantized at load
+NVFP4_WEIGHTS = ("attn.qkv", "attn.o", "ffn.gate_up", "ffn.down", "ffn.shared_gate_up", "ffn.shared_down", "lm_head")
+
+
+def split_rows(w, sizes):
+    """Views of consecutive row blocks (dim -2) of a weight, a tensor or NVFP4: q/k/v of qkv, gate/up of gate_up."""
+    if isinstance(w, flint.NVFP4):
+        return [flint.NVFP4(p, s, r) for p, s, r in zip(w.packed.split(sizes, -2), w.scales.split(sizes, -2),
+                                                        w.row_scale.split(sizes, -1))]
+    return list(w.split(sizes, -2))
+
+
+def pieces(cfg, table, name, w, available):
+    """The (view of weight w, checkpoint tensor name) pairs that together fill flint weight `name` exactly."""
+    if name in table.top:
+        return [(w, table.top[name])]
     _, L, key = name.split(".", 2)
-    prefix = f"model.layers.{L}."
-    if key in HF_ALIASES and prefix + HF_ALIASES[key] in available:
-        return [(param, prefix + HF_ALIASES[key])]
-    names = {**HF_LAYER, **(HF_MOE if cfg.is_moe(int(L)) else HF_DENSE)}[key]
+    prefix = table.layer_prefix.format(L)
+    if key in table.aliases and prefix + table.aliases[key] in available:
+        return [(w, prefix + table.aliases[key])]
+    names = {**table.layer, **(table.moe if cfg.is_moe(int(L)) else table.dense)}[key]
     names = [names] if isinstance(names, str) else names
-    stacked = "{E}" in names[0]
-    pieces = []
-    for e in range(cfg.num_experts if stacked else 1):
-        dst = param[e] if stacked else param
-        if key == "attn.qkv":
-            H, G, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-            parts = dst.split([H * D, G * D, G * D])
-        else:                                                           # gate/up halves, or the whole tensor
-            parts = dst.chunk(len(names))
-        pieces += [(p, prefix + n.replace("{E}", str(e))) for p, n in zip(parts, names)]
-    return pieces
+    H, G, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    per_expert = "{E}" in names[0]
+    out = []
+    for e in range(cfg.num_experts if per_expert else 1):
+        dst = w[e] if per_expert else w
+        if len(names) == 1:
+            parts = [dst]
+        else:                                                           # q/k/v, or the gate and up halves
+            parts = split_rows(dst, [H * D, G * D, G * D] if key == "attn.qkv" else [dst.shape[-2] // 2] * 2)
+        out += [(p, prefix + n.replace("{E}", str(e))) for p, n in zip(parts, names)]
+    return out
+
+
+def plan(model, table, available, quantized, companions, ignored, where):
+    """[(view, checkpoint tensor, flint weight)] filling every weight of the model. A missing tensor is an error,
+    and so is one left unused (besides the companions of quantized tensors and names ending in `ignored`)."""
+    items = []
+    for name, w in model.weights():
+        for dst, src in pieces(model.cfg, table, name, w, available):
+            if src not in available:
+                raise ValueError(f"{where}: tensor {src} (for flint {name}) is missing; the checkpoint is incomplete "
+                                 f"or not a Flint model with this config")
+            items.append((dst, src, name))
+    used = {src for _, src, _ in items}
+    used |= {c for src in used if quantized(src) for c in companions(src)}
+    unused = sorted(n for n in available if n not in used and not n.endswith(ignored))
+    if unused:
+        raise ValueError(f"{where}: {len(unused)} unexpected tensors, e.g. {unused[:5]}; flint.py would ignore "
+                         f"them, so the checkpoint is not the Flint model its config describes")
+    return items
+
+
+def build_model(cfg, dtype, device, plan_fn, quantized, where):
+    """The model, with NVFP4 exactly for the linear weights whose checkpoint tensors are all NVFP4, and its plan.
+
+    Planned once on a meta model (no memory) to read the file's types, then on the real one. A weight that mixes
+    NVFP4 with other types, or that flint.py runs unquantized (embedding, router), gets its NVFP4 parts
+    dequantized, global scale included, and a notice says so."""
+    is_nvfp4 = {}
+    for _, src, name in plan_fn(flint.Transformer(cfg, dtype, "meta")):
+        is_nvfp4.setdefault(name, []).append(quantized(src))
+    nvfp4 = {n for n, q in is_nvfp4.items() if all(q) and n.endswith(NVFP4_WEIGHTS)}
+    demoted = sorted(n for n, q in is_nvfp4.items() if any(q) and n not in nvfp4)
+    if demoted:
+        print(f"notice: {where}: the NVFP4 tensors of {len(demoted)} weights ({', '.join(demoted[:4])}"
+              f"{', ...' if len(demoted) > 4 else ''}) are dequantized to {dtype} at load: those weights mix NVFP4 "
+              f"with other types, or flint.py runs them unquantized", file=sys.stderr)
+    model = flint.Transformer(cfg, dtype, device, nvfp4)
+    return model, plan_fn(model)
+
+
+@torch.no_grad()
+def put(dst, v, src, where):
+    """Copy checkpoint value v (a tensor, or NVFP4 with its global scales) into dst, a view of one model weight."""
+    if tuple(v.shape) != tuple(dst.shape):
+        raise ValueError(f"{where}: tensor {src} has shape {list(v.shape)}, expected {list(dst.shape)} from the "
+                         f"checkpoint's config; the config does not match the weights")
+    if isinstance(dst, flint.NVFP4):
+        assert isinstance(v, flint.NVFP4), f"{src}: an NVFP4 weight planned from a tensor of another type"
+        dst.packed.copy_(v.packed)
+        dst.scales.copy_(v.scales)
+        dst.row_scale.copy_(v.row_scale)
+    elif isinstance(v, flint.NVFP4):                                    # a weight flint runs unquantized
+        dst.copy_(v.dequantize() * v.row_scale[..., None])
+    else:
+        dst.copy_(v)                                                    # host -> device, with the dtype cast
+
+
+def _progress(total, enabled):
+    from tqdm import tqdm
+    return tqdm(total=total, unit="B", unit_scale=True, desc="loading", file=sys.stderr,
+                disable=not enabled or None, leave=False)
+
+
+# -----------------------------------------------------------------------------
+# HF safetensors directories: BF16 (spec §4a) and ModelOpt NVFP4 exports (spec §4b)
+
+MODELOPT_ALGOS = ("NVFP4", "W4A16_NVFP4")  # we run both as W4A16: bf16 activations
+MODELOPT_GROUP = 16                        # weights per E4M3 block scale
+MODELOPT_IGNORED = (".input_scale", ".k_scale", ".v_scale")  # activation and KV-cache scales: W4A16, bf16 cache
 
 
 def safetensors_files(ckpt):
@@ -140,45 +265,401 @@ def _open_safetensors(path):
                          f"download it again") from None
 
 
-def load_hf_weights(model, files, progress=True):
-    """Stream every tensor of an HF checkpoint into the model's preallocated parameters, shard by shard."""
-    cfg = model.cfg
-    plan = {}                                                           # shard -> [(dst, HF name, flint name)]
-    for name, param in model.weights():
-        for dst, hf in hf_pieces(cfg, name, param.data, files):
-            if hf not in files:
-                raise ValueError(f"checkpoint: tensor {hf} (for flint {name}) is missing; the checkpoint is "
-                                 f"incomplete or not a Flint model with this config.json")
-            plan.setdefault(files[hf], []).append((dst, hf, name))
-    used = {hf for items in plan.values() for _, hf, _ in items}
-    unused = sorted(n for n in files if n not in used and not n.endswith(HF_IGNORED))
-    if unused:
-        raise ValueError(f"checkpoint: {len(unused)} unexpected tensors, e.g. {unused[:5]}; flint.py would ignore "
-                         f"them, so the checkpoint is not the Flint model its config.json describes")
-    total = sum(d.numel() * d.element_size() for items in plan.values() for d, _, _ in items)
-    bar = _progress(total, progress)
-    for shard, items in plan.items():
+def modelopt_quantization(config, hf_quant_config, source):
+    """The ModelOpt quant_algo of a checkpoint (None: BF16), from config.json's quantization_config and/or
+    hf_quant_config.json's "quantization"; anything but NVFP4 weights in groups of 16 is refused."""
+    qc = config.get("quantization_config")
+    if qc is None and hf_quant_config is None:
+        return None
+    q = {**((hf_quant_config or {}).get("quantization") or {}), **(qc or {})}
+    method, algo = q.get("quant_method", "modelopt"), q.get("quant_algo")
+    if method != "modelopt" or algo not in MODELOPT_ALGOS:
+        raise ValueError(f"{source}: quantization quant_method {method!r}, quant_algo {algo!r}; flint.py runs BF16 "
+                         f"checkpoints and ModelOpt NVFP4 exports (quant_algo {' or '.join(MODELOPT_ALGOS)}) only")
+    groups = [q.get("group_size")] + [(g.get("weights") or {}).get("group_size")
+                                      for g in (q.get("config_groups") or {}).values()]
+    bad = [g for g in groups if g is not None and g != MODELOPT_GROUP]
+    if bad:
+        raise ValueError(f"{source}: NVFP4 group_size {bad[0]}, but NVFP4 has one E4M3 scale per {MODELOPT_GROUP} "
+                         f"weights; this export is not NVFP4 as flint.py reads it")
+    return algo
+
+
+def load_hf_weights(model, files, items, quantized, progress=True):
+    """Stream the planned tensors of a safetensors checkpoint into the model, shard by shard (each shard is
+    memory-mapped only while it is read). A quantized tensor brings its ModelOpt companions, wherever they are."""
+    shards = {}
+    for item in items:
+        shards.setdefault(files[item[1]], []).append(item)
+    bar = _progress(sum(_nbytes(d) for d, _, _ in items), progress)
+    for shard, shard_items in shards.items():
         with _open_safetensors(shard) as f:
-            for dst, hf, name in items:
-                try:
-                    t = f.get_tensor(hf)
-                except SafetensorError as e:
-                    raise ValueError(f"{shard}: cannot read tensor {hf} ({e}); the file is corrupt: download it "
-                                     f"again") from None
-                if t.shape != dst.shape:
-                    raise ValueError(f"{shard}: tensor {hf} has shape {list(t.shape)}, expected {list(dst.shape)} "
-                                     f"from config.json; the config does not match the weights")
-                if not t.is_floating_point():
-                    raise ValueError(f"{shard}: tensor {hf} has dtype {t.dtype}, expected a float type (BF16/F32)")
-                dst.copy_(t)                                            # host -> device, with the dtype cast
-                bar.update(dst.numel() * dst.element_size())
+            read = functools.partial(_read, files, f, shard)
+            for dst, src, _ in shard_items:
+                if quantized(src):
+                    v = modelopt_nvfp4(read, src, shard)
+                else:
+                    v = read(src)
+                    if not v.is_floating_point():
+                        raise ValueError(f"{shard}: tensor {src} has dtype {v.dtype}, expected a float type "
+                                         f"(BF16/F32); a ModelOpt NVFP4 weight needs its weight_scale beside it")
+                put(dst, v, src, shard)
+                bar.update(_nbytes(dst))
     bar.close()
 
 
-def _progress(total, enabled):
-    from tqdm import tqdm
-    return tqdm(total=total, unit="B", unit_scale=True, desc="loading", file=sys.stderr,
-                disable=not enabled or None, leave=False)
+def _read(files, f, shard, name):
+    """Tensor `name` from the open shard f, or from its own shard (a companion stored in another one)."""
+    if name not in files:
+        raise ValueError(f"checkpoint: tensor {name} is missing; a ModelOpt NVFP4 weight comes with weight_scale and "
+                         f"weight_scale_2: the export is incomplete")
+    if files[name] == shard:
+        return _get_tensor(f, name, shard)
+    with _open_safetensors(files[name]) as g:
+        return _get_tensor(g, name, files[name])
+
+
+def _get_tensor(f, name, shard):
+    try:
+        return f.get_tensor(name)
+    except SafetensorError as e:
+        raise ValueError(f"{shard}: cannot read tensor {name} ({e}); the file is corrupt: download it again") from None
+
+
+def _nbytes(w):
+    parts = (w.packed, w.scales, w.row_scale) if isinstance(w, flint.NVFP4) else (w,)
+    return sum(p.numel() * p.element_size() for p in parts)
+
+
+def _modelopt_companions(src):
+    base = src.removesuffix("weight")
+    return [base + "weight_scale", base + "weight_scale_2"]
+
+
+def modelopt_nvfp4(read, src, where):
+    """One ModelOpt NVFP4 linear weight as flint.NVFP4: `X.weight` uint8 [N, K/2] (element 2j in the low nibble),
+    `X.weight_scale` E4M3 [N, K/16], `X.weight_scale_2` fp32 global scale ([] or [1]). Already flint's layout."""
+    scale_name, global_name = _modelopt_companions(src)
+    w, s, g = read(src), read(scale_name), read(global_name)
+    if w.dtype != torch.uint8 or s.dtype != torch.float8_e4m3fn or not g.is_floating_point():
+        raise ValueError(f"{where}: {src} / {scale_name} / {global_name} have dtypes {w.dtype} / {s.dtype} / "
+                         f"{g.dtype}, expected uint8 / float8_e4m3fn (F8_E4M3) / float32")
+    if w.dim() != 2 or s.shape != (w.shape[0], w.shape[1] // 8) or w.shape[1] % 8:
+        raise ValueError(f"{where}: {scale_name} has shape {list(s.shape)} for {src} {list(w.shape)}; expected one "
+                         f"E4M3 scale per {MODELOPT_GROUP} weights, [{w.shape[0]}, {2 * w.shape[-1] // 16}]: the "
+                         f"export's group size is not {MODELOPT_GROUP}")
+    if g.numel() != 1 or not math.isfinite(g.item()):
+        raise ValueError(f"{where}: {global_name} is {g.tolist()}, expected one finite fp32 global scale")
+    nan = (s.view(torch.uint8) & 0x7F) == 0x7F                         # e4m3fn NaN: S.1111.111
+    if nan.any():
+        raise ValueError(f"{where}: {scale_name} holds {int(nan.sum())} NaN scale bytes (0x7F/0xFF); the export is "
+                         f"corrupt: download it again")
+    return flint.NVFP4(w, s, g.float().reshape(()).expand(w.shape[0]))
+
+
+def load_hf_dir(ckpt, device, dtype, progress):
+    """Model, tokenizer, chat template and sampling defaults from a BF16 or ModelOpt NVFP4 checkpoint directory."""
+    config = _read_json(ckpt / "config.json", required=True)
+    cfg = config_from_hf(config, str(ckpt / "config.json"))
+    quant = modelopt_quantization(config, _read_json(ckpt / "hf_quant_config.json"), str(ckpt / "config.json"))
+    files = safetensors_files(ckpt)
+    tokenizer = Tokenizer.from_files(ckpt / "tokenizer.json", _maybe(ckpt / "tokenizer_config.json"),
+                                     _maybe(ckpt / "generation_config.json"), ckpt / "config.json")
+    _check_vocab(tokenizer, cfg, ckpt / "tokenizer.json")
+    def quantized(src):                             # ModelOpt, per tensor: a uint8 weight plus its weight_scale
+        return bool(quant) and src.endswith(".weight") and _modelopt_companions(src)[0] in files
+
+    def plan_hf(model):
+        ignored = HF_IGNORED + (MODELOPT_IGNORED if quant else ())
+        return plan(model, HF_NAMES, files, quantized, _modelopt_companions, ignored, "checkpoint")
+
+    model, items = build_model(cfg, dtype, device, plan_hf, quantized, ckpt.name)
+    load_hf_weights(model, files, items, quantized, progress)
+    gen = _read_json(ckpt / "generation_config.json") or {}
+    sampling = {k: gen.get(k, v) for k, v in SAMPLING_DEFAULTS.items()}
+    return model, tokenizer, find_chat_template(ckpt), sampling
+
+
+def _check_vocab(tokenizer, cfg, where):
+    if tokenizer.n_vocab > cfg.vocab_size:
+        raise ValueError(f"{where}: token ids reach {tokenizer.n_vocab - 1}, beyond the model's vocab_size "
+                         f"{cfg.vocab_size}; the tokenizer does not belong to this checkpoint")
+
+
+# -----------------------------------------------------------------------------
+# GGUF files (spec §4c): the official NVFP4 GGUF, and any type the gguf package can dequantize
+#
+# Read with gguf.GGUFReader, which memory-maps the file, checks magic and version and honours general.alignment.
+# Its ReaderTensor.shape is in ggml order (K first); flint wants the reverse. Tensor bytes are mapped again one
+# tensor at a time (np.memmap, unmapped when dropped), so host memory holds about one tensor, never the model.
+
+# ggml types (ggml.h enum ggml_type = gguf.GGMLQuantizationType)
+GGML_F32, GGML_F16, GGML_BF16, GGML_NVFP4 = 0, 1, 30, 40
+GGML_FLOATS = {GGML_F32: torch.float32, GGML_F16: torch.float16, GGML_BF16: torch.bfloat16}
+# The ggml NVFP4 block: 64 weights in 4 sub-blocks of 16, each with a UE4M3 scale (unsigned E4M3, bias 7)
+NVFP4_BLOCK_BYTES = 36          # 4 UE4M3 scales + 32 bytes of nibbles per 64 weights
+NVFP4_SCALES = 4                # bytes 0-3: the sub-block scales; then qs[4][8]: sub-block j, byte i holds
+                                # element 16j+i in the low nibble and 16j+8+i in the high one
+UE4M3_MASK = 0x7F               # exponent and mantissa bits; ggml ignores bit 7 (UE4M3 has no sign)
+UE4M3_ZERO = 0x7F               # decodes to 0 in ggml, but reads as NaN in e4m3fn: repacked as 0x00
+UE4M3_INVALID = 0xFF            # ggml would decode it as 480; vLLM refuses it, and so do we
+GGUF_GATING = {0: "none", 1: "softmax", 2: "sigmoid", 3: "softmax_weight", 4: "sqrt_softplus"}  # llama.cpp
+GGUF_SIGMOID = 2
+
+# Config field <- GGUF key (under "flint."); all required
+GGUF_CONFIG = {
+    "num_hidden_layers": "block_count",
+    "max_position_embeddings": "context_length",
+    "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length",                        # the dense MLP of the leading layers
+    "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "rope_theta": "rope.freq_base",
+    "sliding_window": "attention.sliding_window",
+    "num_experts": "expert_count",
+    "num_experts_per_tok": "expert_used_count",
+    "moe_intermediate_size": "expert_feed_forward_length",
+    "shared_expert_intermediate_size": "expert_shared_feed_forward_length",
+    "norm_topk_prob": "expert_weights_norm",
+}
+GGUF_REQUIRED = [*GGUF_CONFIG.values(), "leading_dense_block_count", "attention.sliding_window_pattern",
+                 "expert_gating_func"]
+# Keys whose value, when present, must be this one (absent: this value)
+GGUF_FIXED = {"expert_weights_scale": 1.0, "expert_shared_count": 1, "rope.scaling.type": "none"}
+
+
+def open_gguf(path):
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, KeyError, IndexError, OSError) as e:
+        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); the file is truncated or "
+                         f"corrupt: download it again") from None
+    if reader.byte_order != "I":
+        raise ValueError(f"{path}: a big-endian GGUF; flint.py reads little-endian files (as llama.cpp writes them)")
+    size = Path(path).stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ValueError(f"{path}: tensor {t.name} ends at byte {t.data_offset + t.n_bytes}, past the end of "
+                             f"the {size}-byte file; the file is truncated: download it again")
+    return reader
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def config_from_gguf(reader, source):
+    """Config from GGUF metadata, key by key (spec §4c); the vocab size comes from token_embd's shape."""
+    arch = _field(reader, "general.architecture")
+    if arch != "flint":
+        raise ValueError(f"{source}: general.architecture is {arch!r}, expected 'flint'; this GGUF holds another "
+                         f"model")
+    missing = [f"flint.{k}" for k in GGUF_REQUIRED if f"flint.{k}" not in reader.fields]
+    if missing:
+        raise ValueError(f"{source}: metadata keys {missing} are missing; every Flint GGUF has them: the file was "
+                         f"written by a converter that does not know Flint, or is incomplete")
+
+    def get(key, default=None):
+        return _field(reader, f"flint.{key}", default)
+
+    gating = get("expert_gating_func")
+    if gating != GGUF_SIGMOID:
+        raise ValueError(f"{source}: flint.expert_gating_func is {gating} ({GGUF_GATING.get(gating, 'unknown')}), "
+                         f"but Flint routes with sigmoid (2)")
+    for key, want in GGUF_FIXED.items():
+        if get(key, want) != want:
+            raise ValueError(f"{source}: flint.{key} is {get(key)!r}, but flint.py runs only {want!r}")
+    theta = get("rope.freq_base")
+    if get("rope.freq_base_swa", theta) != theta:
+        raise ValueError(f"{source}: flint.rope.freq_base_swa {get('rope.freq_base_swa')} differs from "
+                         f"rope.freq_base {theta}; Flint has one RoPE theta (its meaning here is unknown)")
+    if get("attention.value_length", get("attention.key_length")) != get("attention.key_length"):
+        raise ValueError(f"{source}: flint.attention.value_length differs from key_length; Flint's heads are square")
+    L = get("block_count")
+    sliding, rope = get("attention.sliding_window_pattern"), get("attention.rope_pattern")
+    for key, pattern in (("sliding_window_pattern", sliding), ("rope_pattern", rope)):
+        if pattern is not None and len(pattern) != L:
+            raise ValueError(f"{source}: flint.attention.{key} has {len(pattern)} entries, expected one per block "
+                             f"({L})")
+    embed = next((t for t in reader.tensors if t.name == GGUF_NAMES.top["embed"]), None)
+    if embed is None or len(embed.shape) != 2:
+        raise ValueError(f"{source}: no 2-D tensor {GGUF_NAMES.top['embed']}, which gives the vocab size; the "
+                         f"file is incomplete")
+    vocab = int(embed.shape[1])                                         # ggml order: [C, V]
+    if get("vocab_size", vocab) != vocab:
+        raise ValueError(f"{source}: flint.vocab_size {get('vocab_size')} but {embed.name} has {vocab} rows")
+    kwargs = {field: get(key) for field, key in GGUF_CONFIG.items()}
+    kwargs.update(vocab_size=vocab, mlp_only_layers=list(range(get("leading_dense_block_count"))),
+                  layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+                  no_rope_layer_indices=None if rope is None else [i for i, r in enumerate(rope) if not r])
+    try:
+        return flint.Config(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{source}: {e}") from None
+
+
+def repack_nvfp4(blocks, name="NVFP4 tensor"):
+    """ggml NVFP4 blocks uint8 [..., K/64*36] -> flint.NVFP4's (packed [..., K/2] uint8, scales [..., K/16]
+    float8_e4m3fn), losslessly (spec §4c). Vectorized: runs where `blocks` is (the GPU, after a raw-byte copy)."""
+    b = blocks.unflatten(-1, (-1, NVFP4_BLOCK_BYTES))                   # [..., K/64, 36]
+    d = b[..., :NVFP4_SCALES]                                           # [..., K/64, 4] UE4M3
+    qs = b[..., NVFP4_SCALES:].unflatten(-1, (NVFP4_SCALES, 8))         # [..., K/64, 4, 8]
+    invalid = d == UE4M3_INVALID
+    if invalid.any():
+        raise ValueError(f"{name}: {int(invalid.sum())} NVFP4 block scales are the invalid byte 0xFF; the file is "
+                         f"corrupt: download it again")
+    # ggml byte i holds elements (i, i+8) of its 16; flint byte t holds (2t, 2t+1). So flint bytes 0-3 pair the low
+    # nibbles of ggml bytes (0,1), (2,3), ..., and bytes 4-7 pair their high nibbles.
+    even, odd = qs[..., 0::2], qs[..., 1::2]                            # [..., K/64, 4, 4]
+    packed = torch.cat([(even & 0x0F) | (odd << 4), (even >> 4) | (odd & 0xF0)], dim=-1)  # uint8 shifts wrap
+    d = d & UE4M3_MASK
+    scales = d.masked_fill(d == UE4M3_ZERO, 0)                          # 0x00-0x7E: UE4M3 bits == e4m3fn bits
+    return packed.flatten(-3), scales.flatten(-2).view(torch.float8_e4m3fn)
+
+
+def _gguf_bytes(path, t):
+    """The bytes of GGUF tensor t as a uint8 tensor, memory-mapped for this tensor alone (unmapped when dropped;
+    copy-on-write mode, so numpy hands out a writable array and torch does not warn)."""
+    return torch.from_numpy(np.memmap(path, np.uint8, mode="c", offset=t.data_offset, shape=(t.n_bytes,)))
+
+
+def gguf_value(path, t, scale, device):
+    """A float or NVFP4 tensor as a tensor on the host (a view of the mapped bytes) or, NVFP4, a flint.NVFP4
+    repacked on `device` with its global scale (`scale`: the .scale tensor, None = 1.0) repeated over the rows."""
+    raw = _gguf_bytes(path, t)
+    if t.tensor_type in GGML_FLOATS:
+        return raw.view(GGML_FLOATS[t.tensor_type]).view(_torch_shape(t))
+    packed, scales = repack_nvfp4(raw.view(t.data.shape).to(device), f"{path}: {t.name}")
+    rows = packed.shape[:-1]
+    n = math.prod(rows[:-1])                                            # 1, or the number of experts
+    g = torch.ones(n) if scale is None else gguf_value(path, scale, None, device).float()
+    if g.numel() != n or not g.isfinite().all():
+        raise ValueError(f"{path}: {scale.name} has {g.numel()} values {g.tolist()[:4]}..., expected "
+                         f"{n} finite global scale(s) for {t.name} (one per expert when stacked)")
+    return flint.NVFP4(packed, scales, g.to(device).reshape(*rows[:-1], 1).expand(rows))
+
+
+@torch.no_grad()
+def dequantize_into(dst, raw, qtype, rows=256):
+    """dst = gguf's dequantization of raw (numpy bytes of any ggml type it knows), `rows` rows at a time, so host
+    memory stays bounded for community quantizations (Q8_0, K-quants, ...)."""
+    if dst.dim() > 2:
+        for i in range(dst.shape[0]):
+            dequantize_into(dst[i], raw[i], qtype, rows)
+    elif dst.dim() == 1:
+        dst.copy_(torch.from_numpy(gguf.quants.dequantize(raw, qtype)))
+    else:
+        for a in range(0, dst.shape[0], rows):
+            dst[a:a + rows].copy_(torch.from_numpy(gguf.quants.dequantize(raw[a:a + rows], qtype)))
+
+
+def _can_dequantize(qtype):
+    if qtype in GGML_FLOATS or qtype == GGML_NVFP4:
+        return True
+    try:                                                                # one zero block
+        gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+        return True
+    except NotImplementedError:
+        return False
+
+
+def load_gguf_weights(path, model, items, tensors, progress=True):
+    """Stream the planned GGUF tensors into the model, in file order, one mapped tensor at a time."""
+    items = sorted(items, key=lambda item: tensors[item[1]].data_offset)
+    bar = _progress(sum(tensors[src].n_bytes for _, src, _ in items), progress)
+    for dst, src, _ in items:
+        t = tensors[src]
+        if t.tensor_type in GGML_FLOATS or t.tensor_type == GGML_NVFP4:
+            put(dst, gguf_value(path, t, tensors.get(_gguf_scale_name(src)), model.device), src, path)
+        else:
+            dequantize_into(dst, _gguf_bytes(path, t).numpy().reshape(t.data.shape), t.tensor_type)
+        bar.update(t.n_bytes)
+    bar.close()
+
+
+def _torch_shape(t):
+    return tuple(reversed([int(n) for n in t.shape]))                   # ggml order (K first) -> torch order
+
+
+def _gguf_scale_name(src):
+    return src.removesuffix(".weight") + ".scale"
+
+
+def load_gguf(path, device, dtype, progress):
+    """Model, tokenizer, chat template and sampling defaults from one GGUF file."""
+    reader = open_gguf(path)
+    where = str(path)
+    cfg = config_from_gguf(reader, where)
+    prec_a4 = _field(reader, "general.tensor_extra.prec_a4", [])
+    if any(prec_a4 if isinstance(prec_a4, list) else [prec_a4]):
+        raise ValueError(f"{where}: general.tensor_extra.prec_a4 marks tensors for FP4 activations (W4A4); flint.py "
+                         f"runs NVFP4 weights with bf16 activations (W4A16) only, so this file would not compute "
+                         f"what its producer intended")
+    beside = path.parent / "config.json"
+    if beside.is_file():
+        _cross_check(cfg, config_from_hf(_read_json(beside, required=True), str(beside)), where, str(beside))
+    tokenizer = tokenizer_from_gguf(reader, where)                      # before the weights: fail fast
+    _check_vocab(tokenizer, cfg, where)
+    tensors = {t.name: t for t in reader.tensors}
+
+    def quantized(src):
+        return tensors[src].tensor_type == GGML_NVFP4
+
+    def plan_gguf(model):
+        return plan(model, GGUF_NAMES, tensors, quantized, lambda src: [_gguf_scale_name(src)], (), where)
+
+    model, items = build_model(cfg, dtype, device, plan_gguf, quantized, path.name)
+    other = {}                                                          # ggml type name -> tensor count
+    for dst, src, _ in items:
+        t = tensors[src]
+        if _torch_shape(t) != tuple(dst.shape):
+            raise ValueError(f"{where}: tensor {src} has shape {list(_torch_shape(t))} (ggml ne {t.shape.tolist()}), "
+                             f"expected {list(dst.shape)} from the flint.* metadata; the metadata does not match the "
+                             f"weights")
+        if not _can_dequantize(t.tensor_type):
+            raise ValueError(f"{where}: tensor {src} has ggml type {t.tensor_type.name}, which the gguf package "
+                             f"cannot dequantize; convert the file to NVFP4, BF16 or a K-quant")
+        if t.tensor_type not in GGML_FLOATS and t.tensor_type != GGML_NVFP4:
+            other[t.tensor_type.name] = other.get(t.tensor_type.name, 0) + 1
+    if other:
+        print(f"notice: {path.name}: {sum(other.values())} tensors of type "
+              f"{', '.join(f'{k} ({n})' for k, n in other.items())} are dequantized to {dtype} at load; they run at "
+              f"{dtype} memory and speed", file=sys.stderr)
+    load_gguf_weights(path, model, items, tensors, progress)
+    sampling = {k: _field(reader, f"general.sampling.{gk}", v)
+                for (k, v), gk in zip(SAMPLING_DEFAULTS.items(), ("temp", "top_p", "top_k"))}
+    return model, tokenizer, _field(reader, "tokenizer.chat_template"), sampling
+
+
+def _cross_check(cfg, other, where, other_where):
+    """The GGUF metadata and a config.json beside it must describe the same model (floats to float32 precision)."""
+    a, b = asdict(cfg), asdict(other)
+    for key in set(a) - {"rope_parameters"}:
+        same = math.isclose(a[key], b[key], rel_tol=1e-6) if isinstance(a[key], float) else a[key] == b[key]
+        if not same:
+            raise ValueError(f"{where}: {key} is {a[key]!r} in the GGUF metadata but {b[key]!r} in {other_where}; "
+                             f"remove the config.json that does not belong to this file")
+
+
+def tokenizer_from_gguf(reader, where):
+    """The tokenizer from tokenizer.ggml.* (spec §5); stop ids = eos ∪ eot ∪ eom ∪ eog."""
+    model = _field(reader, "tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ValueError(f"{where}: tokenizer.ggml.model is {model!r}, expected 'gpt2' (byte-level BPE); "
+                         f"{'the file has no tokenizer' if model is None else 'flint.py reads byte-level BPE only'}")
+    keys = {k: f"tokenizer.ggml.{k}" for k in ("tokens", "token_type", "merges", "pre")}
+    missing = [key for key in keys.values() if key not in reader.fields]
+    if missing:
+        raise ValueError(f"{where}: metadata keys {missing} are missing; the embedded tokenizer is incomplete")
+    eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    eos = [i for i in eos + _field(reader, "tokenizer.ggml.eog_token_ids", []) if i is not None]
+    return Tokenizer.from_gguf_fields(*(_field(reader, keys[k]) for k in ("tokens", "token_type", "merges")),
+                                      bos_id=_field(reader, "tokenizer.ggml.bos_token_id"), eos_ids=eos,
+                                      pre=_field(reader, keys["pre"]),
+                                      pad_id=_field(reader, "tokenizer.ggml.padding_token_id"))
 
 
 # ----------------------------------------------------------------------------
@@ -654,7 +1135,7 @@ def render_chat(template: str, messages: list[dict], add_generation_prompt: bool
 # -----------------------------------------------------------------------------
 # Checkpoint resolution and the top-level load
 
-DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja"]
+DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.gguf"]
 SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 0.95, "top_k": 20}   # Flint's recommendation (spec §6)
 
 
@@ -696,26 +1177,36 @@ def resolve_checkpoint(name):
 
 
 def load(checkpoint, device="cpu", dtype=torch.bfloat16, progress=True):
-    """Model, tokenizer, chat template and sampling defaults from a checkpoint directory, an HF repo id or 'tiny'."""
+    """Model, tokenizer, chat template and sampling defaults from a checkpoint directory (BF16 or ModelOpt NVFP4
+    safetensors, or one .gguf), a .gguf file, an HF repo id or 'tiny'."""
     if checkpoint == "tiny":
         return load_tiny(device, dtype)
     t0 = time.perf_counter()
     ckpt = resolve_checkpoint(checkpoint)
-    if not ckpt.is_dir():
-        raise ValueError(f"checkpoint {ckpt}: expected a directory with config.json and safetensors")
-    cfg = config_from_hf(_read_json(ckpt / "config.json", required=True), str(ckpt / "config.json"))
-    files = safetensors_files(ckpt)
-    tokenizer = Tokenizer.from_files(ckpt / "tokenizer.json", _maybe(ckpt / "tokenizer_config.json"),
-                                     _maybe(ckpt / "generation_config.json"), ckpt / "config.json")
-    if tokenizer.n_vocab > cfg.vocab_size:
-        raise ValueError(f"{ckpt / 'tokenizer.json'}: token ids reach {tokenizer.n_vocab - 1}, beyond the model's "
-                         f"vocab_size {cfg.vocab_size}; the tokenizer does not belong to this checkpoint")
-    model = flint.Transformer(cfg, dtype, device)
-    load_hf_weights(model, files, progress)
-    gen = _read_json(ckpt / "generation_config.json") or {}
-    sampling = {k: gen.get(k, v) for k, v in SAMPLING_DEFAULTS.items()}
+    gguf_file = find_gguf(ckpt)
+    if gguf_file is not None:
+        ckpt = gguf_file
+        model, tokenizer, template, sampling = load_gguf(gguf_file, device, dtype, progress)
+    else:
+        model, tokenizer, template, sampling = load_hf_dir(ckpt, device, dtype, progress)
     print(summary(ckpt.name, model, time.perf_counter() - t0), file=sys.stderr)
-    return Checkpoint(model, tokenizer, find_chat_template(ckpt), sampling, str(ckpt))
+    return Checkpoint(model, tokenizer, template, sampling, str(ckpt))
+
+
+def find_gguf(ckpt):
+    """The GGUF file to load: ckpt itself, or the one .gguf of a directory without safetensors; None otherwise."""
+    if ckpt.is_file():
+        if ckpt.suffix != ".gguf":
+            raise ValueError(f"checkpoint {ckpt}: expected a directory (config.json and safetensors) or a .gguf file")
+        return ckpt
+    if any(ckpt.glob("*.safetensors")):
+        return None
+    found = sorted(ckpt.glob("*.gguf"))
+    if len(found) > 1:
+        raise ValueError(f"checkpoint {ckpt}: {len(found)} .gguf files ({', '.join(f.name for f in found[:4])}); "
+                         f"pass the one to load (split GGUF files are not supported: merge them with "
+                         f"llama-gguf-split --merge)")
+    return found[0] if found else None
 
 
 def _maybe(path):
@@ -742,11 +1233,15 @@ def _count(n):
 
 
 def summary(name, model, seconds):
-    n = sum(p.numel() for p in model.parameters())
+    n = n4 = 0
+    for _, w in model.weights():
+        n += w.shape.numel()
+        n4 += w.shape.numel() if isinstance(w, flint.NVFP4) else 0
+    nvfp4 = f" ({_count(n4)} in NVFP4)" if n4 else ""
     if model.device.type == "cuda":
         mem = f"{torch.cuda.max_memory_allocated(model.device) / 2**30:.1f} GiB GPU peak, "
     else:
         mem = ""
     host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # KiB -> GiB (Linux)
-    return (f"loaded {name}: {_count(n)} parameters, {model.dtype}, {model.device}, {seconds:.1f} s, "
+    return (f"loaded {name}: {_count(n)} parameters{nvfp4}, {model.dtype}, {model.device}, {seconds:.1f} s, "
             f"{mem}{host:.1f} GiB host peak")

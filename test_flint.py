@@ -11,7 +11,10 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import gguf
+import numpy as np
 import pytest
 import tokenizers
 import torch
@@ -592,16 +595,21 @@ def test_special_ids_from_files(hf_dir, tmp_path):
         Tokenizer.from_files(hf_dir / "tokenizer.json", None, tmp_path / "generation_config.json")
 
 
-def test_gguf_fields_match_tokenizer_json(hf_dir):
-    """tokenizer.ggml.* fields built from the same vocab/merges give the same ids."""
-    tj = json.loads((hf_dir / "tokenizer.json").read_text())
+def gguf_tokenizer_fields(tokenizer_json):
+    """tokenizer.ggml.{tokens, token_type, merges} for a tokenizer.json, as HF -> GGUF converters write them."""
+    tj = json.loads(Path(tokenizer_json).read_text())
     n = 1 + max(max(tj["model"]["vocab"].values()), max(a["id"] for a in tj["added_tokens"]))
     tokens, types = [f"[PAD{i}]" for i in range(n)], [5] * n
     for s, i in tj["model"]["vocab"].items():
         tokens[i], types[i] = s, 1
     for a in tj["added_tokens"]:
         tokens[a["id"]], types[a["id"]] = a["content"], 3 if a["special"] else 4
-    merges = [" ".join(m) for m in tj["model"]["merges"]]
+    return tokens, types, [" ".join(m) for m in tj["model"]["merges"]]
+
+
+def test_gguf_fields_match_tokenizer_json(hf_dir):
+    """tokenizer.ggml.* fields built from the same vocab/merges give the same ids."""
+    tokens, types, merges = gguf_tokenizer_fields(hf_dir / "tokenizer.json")
     ours = Tokenizer.from_files(hf_dir / "tokenizer.json")
     eot = ours.token_to_id("<|endoftext|>")
     gguf = Tokenizer.from_gguf_fields(tokens, types, merges, bos_id=None, eos_ids=[eot], pre="flint")
@@ -682,6 +690,378 @@ def test_find_chat_template(tmp_path):
     cfg.write_text(json.dumps({"chat_template": [{"name": "tool_use", "template": "T"}]}))
     with pytest.raises(ValueError, match="no 'default'"):
         find_chat_template(tmp_path)
+
+
+# -----------------------------------------------------------------------------
+# NVFP4 checkpoints: the official GGUF layout and ModelOpt exports, quantized here from a tiny transformers model
+
+GGML = gguf.GGMLQuantizationType
+E2M1_VALUES = torch.tensor(flint.E2M1)
+NVFP4_TINY = dict(intermediate_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=64)  # K % 64 == 0
+NO_SCALE = "model.layers.0.self_attn.k_proj.weight"     # global scale 1.0, its GGUF .scale tensor left out
+ZERO_BLOCK = "model.layers.4.self_attn.o_proj.weight"   # one all-zero block: scale byte 0x00, written 0x7F in GGUF
+SIGN_BIT = "model.layers.1.mlp.down_proj.weight"        # GGUF scale bytes with bit 7 set, which ggml ignores
+
+
+def test_nvfp4_repack_matches_gguf_dequantize():
+    """Repacked ggml blocks dequantize bit for bit like gguf.quants: every nibble, subnormal scales, 0x00, 0x7F
+    (zero in ggml, NaN in e4m3fn) and bytes with bit 7 set; 0xFF is refused."""
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (48, 8 * 36), dtype=torch.uint8, generator=g)   # 48 rows of K = 512
+    d = blocks.unflatten(-1, (-1, 36))[..., :4]                                     # the scale bytes (a view)
+    d.copy_(torch.randint(0, 0xFF, d.shape, dtype=torch.uint8, generator=g))       # any byte but 0xFF
+    d[0, :3] = torch.tensor([[0x00, 0x7F, 0x01, 0x04], [0x07, 0x08, 0x80, 0x81], [0xFE, 0x7E, 0x78, 0xF8]])
+    assert set(blocks.unflatten(-1, (-1, 36))[..., 4:].flatten().tolist()) == set(range(256))  # every nibble pair
+    packed, scales = load.repack_nvfp4(blocks)
+    ours = flint.NVFP4(packed, scales, torch.ones(48)).dequantize()
+    want = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), GGML.NVFP4))
+    assert not ours.isnan().any()
+    # ggml's code 8 is +0, flint's E2M1 table says -0: adding +0.0 equates the two zeros, nothing else
+    assert torch.equal((ours + 0.0).view(torch.int32), (want + 0.0).view(torch.int32))
+    blocks[3, 36 * 5 + 2] = 0xFF
+    with pytest.raises(ValueError, match="0xFF"):
+        load.repack_nvfp4(blocks, "blk.0.attn_q.weight")
+
+
+def quantize_nvfp4(w, g):
+    """w [..., N, K] with global scale g -> codes uint8 [..., N, K], E4M3 block scales [..., N, K/16] and the
+    weight they decode to, e2m1 * e4m3 * g (fp32, in flint's order): per 16 values a scale amax/6, nearest code."""
+    blocks = w.unflatten(-1, (-1, 16))
+    s = (blocks.abs().amax(-1) / 6 / g).clamp(max=448).to(torch.float8_e4m3fn)
+    unit = (s.float() * g)[..., None]
+    codes = (blocks / unit.clamp_min(1e-30))[..., None].sub(E2M1_VALUES).abs().argmin(-1)   # ties: +0 before -0
+    deq = (E2M1_VALUES[codes] * s.float()[..., None]).flatten(-2) * g
+    return codes.flatten(-2).to(torch.uint8), s, deq
+
+
+def ggml_blocks(codes, scales):
+    """codes [..., K], scales [..., K/16] -> ggml NVFP4 blocks uint8 [..., K/64*36] (spec §4c)."""
+    c = codes.unflatten(-1, (-1, 4, 16))                                # [..., K/64, 4, 16]
+    qs = c[..., :8] | (c[..., 8:] << 4)                                 # byte i: element i low, i + 8 high
+    return torch.cat([scales.view(torch.uint8).unflatten(-1, (-1, 4)), qs.flatten(-2)], -1).flatten(-2)
+
+
+@pytest.fixture(scope="module")
+def nvfp4_tiny(tmp_path_factory):
+    """A transformers-saved tiny Flint quantized to NVFP4 in the test: each linear weight (each expert's own) gets a
+    global scale, mostly not 1.0. Holds the saved tensors, the quantization, the weights it decodes to, and the
+    logits of the two oracles on those weights: flint.py's reference and transformers."""
+    hf = hf_model(**NVFP4_TINY)
+    with torch.no_grad():                                               # the GGUF stores the embedding as BF16
+        hf.model.embed_tokens.weight.copy_(hf.model.embed_tokens.weight.bfloat16())
+    src = save_hf(hf, tmp_path_factory.mktemp("nvfp4_src"), shard="10MB")
+    from safetensors.torch import load_file
+    state = load_file(src / "model.safetensors")
+    state[ZERO_BLOCK][0, :16] = 0
+    quant, deq = {}, dict(state)
+    for name, w in state.items():
+        if name.endswith("_proj.weight") or name == "lm_head.weight":
+            g = torch.tensor(1.0) if name == NO_SCALE else w.abs().amax() / (6 * 448) * 0.7
+            codes, scales, deq[name] = quantize_nvfp4(w, g)
+            quant[name] = (codes, scales, g)
+    ids = torch.randint(0, 320, (2, 3 * hf.config.sliding_window + 4), generator=torch.Generator().manual_seed(1))
+    return SimpleNamespace(src=src, state=state, quant=quant, deq=deq, ids=ids,
+                           want=oracle_logits(src, deq, ids, tmp_path_factory.mktemp("nvfp4_deq")))
+
+
+def oracle_logits(src, weights, ids, path):
+    """(flint reference, transformers) logits of the model with these weights (by HF name), fp32."""
+    from safetensors.torch import save_file
+    from transformers import FlintForCausalLM
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (path / f).write_bytes((src / f).read_bytes())
+    hf = FlintForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    pos = torch.arange(ids.shape[1])[None].expand_as(ids)
+    with torch.no_grad():
+        return flint_from(path)(ids, pos), hf(ids).logits
+
+
+def gguf_name(hf):
+    """The official GGUF name of a transformers-saved tensor (spec §4c), and its expert index (None if not one)."""
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if hf in top:
+        return top[hf], None
+    L, rest = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf).groups()
+    expert = re.fullmatch(r"mlp\.experts\.(\d+)\.(\w+)_proj\.weight", rest)
+    if expert:
+        return f"blk.{L}.ffn_{expert[2]}_exps.weight", int(expert[1])
+    rest = re.sub(r"^mlp\.shared_expert\.(\w+)_proj", r"ffn_\1_shexp", rest)
+    rest = re.sub(r"^mlp\.(\w+)_proj", r"ffn_\1", rest)
+    rest = re.sub(r"^self_attn\.o_proj", "attn_output", rest)
+    rest = re.sub(r"^self_attn\.(\w)_proj", r"attn_\1", rest)
+    rest = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+            "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+            "self_attn.softmax_offset": "attn_sinks.weight", "mlp.gate.weight": "ffn_gate_inp.weight"}.get(rest, rest)
+    return f"blk.{L}.{rest}", None
+
+
+def gguf_contents(nq, types=None):
+    """GGUF metadata {key: (writer kind, value)} and tensors {name: (array, ggml type)} of the tiny model in the
+    official naming and types (NVFP4 linears with .scale, BF16 embedding, F32 rest). A GGUF name in `types` is
+    written in that type from the decoded weight instead; returns the weights the file decodes to, by HF name."""
+    types = types or {}
+    cfg = json.loads((nq.src / "config.json").read_text())
+    sliding = [t == "sliding_attention" for t in cfg["layer_types"]]
+    tokens, token_types, merges = gguf_tokenizer_fields(nq.src / "tokenizer.json")
+    meta = {"general.file_type": ("uint32", 39)} | {f"flint.{k}": v for k, v in {
+        "block_count": ("uint32", cfg["num_hidden_layers"]), "context_length": ("uint32", 512),
+        "embedding_length": ("uint32", cfg["hidden_size"]), "feed_forward_length": ("uint32", cfg["intermediate_size"]),
+        "attention.head_count": ("uint32", cfg["num_attention_heads"]),
+        "attention.head_count_kv": ("uint32", cfg["num_key_value_heads"]),
+        "attention.key_length": ("uint32", cfg["head_dim"]), "attention.value_length": ("uint32", cfg["head_dim"]),
+        "attention.layer_norm_rms_epsilon": ("float32", cfg["rms_norm_eps"]),
+        "rope.freq_base": ("float32", cfg["rope_parameters"]["rope_theta"]),
+        "attention.sliding_window": ("uint32", cfg["sliding_window"]),
+        "attention.sliding_window_pattern": ("array", sliding), "attention.rope_pattern": ("array", sliding),
+        "leading_dense_block_count": ("uint32", len(cfg["mlp_only_layers"])),
+        "expert_count": ("uint32", cfg["num_experts"]), "expert_used_count": ("uint32", cfg["num_experts_per_tok"]),
+        "expert_feed_forward_length": ("uint32", cfg["moe_intermediate_size"]),
+        "expert_shared_feed_forward_length": ("uint32", cfg["shared_expert_intermediate_size"]),
+        "expert_weights_norm": ("bool", cfg["norm_topk_prob"]), "expert_weights_scale": ("float32", 1.0),
+        "expert_gating_func": ("uint32", 2)}.items()} | {
+        "tokenizer.ggml.model": ("string", "gpt2"), "tokenizer.ggml.pre": ("string", "flint"),
+        "tokenizer.ggml.tokens": ("array", tokens), "tokenizer.ggml.token_type": ("array", token_types),
+        "tokenizer.ggml.merges": ("array", merges),
+        "tokenizer.ggml.eos_token_id": ("uint32", tokens.index("<|endoftext|>")),
+        "tokenizer.chat_template": ("string", TEMPLATE)}
+    groups = {}                                                         # GGUF name -> {expert or None: HF name}
+    for hf in nq.state:
+        name, e = gguf_name(hf)
+        groups.setdefault(name, {})[e] = hf
+    tensors, decoded = {}, {}
+    for name, hfs in groups.items():
+        hfs = [hfs[e] for e in sorted(hfs, key=lambda e: -1 if e is None else e)]
+        stack = torch.stack if len(hfs) > 1 else (lambda ts: ts[0])
+        kind = types.get(name, GGML.NVFP4 if hfs[0] in nq.quant else GGML.BF16 if "embd" in name else GGML.F32)
+        if kind == GGML.NVFP4:
+            codes, scales, g = (stack([nq.quant[h][i] for h in hfs]) for i in range(3))
+            blocks = ggml_blocks(codes, scales)
+            d = blocks.unflatten(-1, (-1, 36))[..., :4]
+            if ZERO_BLOCK in hfs:
+                d.masked_fill_(d == 0, 0x7F)
+            if SIGN_BIT in hfs:
+                d |= 0x80
+            tensors[name] = (blocks.numpy(), GGML.NVFP4)
+            if NO_SCALE not in hfs:
+                tensors[name.replace(".weight", ".scale")] = (g.reshape(-1).float().numpy(), None)
+            continue
+        w = stack([nq.deq[h] for h in hfs])
+        if kind == GGML.F32:
+            tensors[name] = (w.numpy(), None)
+            continue
+        if kind == GGML.BF16:
+            data, back = w.bfloat16().view(torch.int16).numpy().view(np.uint16), w.bfloat16().float()
+        elif kind == GGML.F16:
+            data, back = w.half().numpy(), w.half().float()
+        elif kind == GGML.I32:                                          # a type gguf cannot dequantize
+            data, back = w.int().numpy(), w
+        else:
+            data = gguf.quants.quantize(w.numpy(), kind)
+            back = torch.from_numpy(gguf.quants.dequantize(data, kind))
+        tensors[name] = (data, None if kind in (GGML.F16, GGML.I32) else kind)
+        decoded |= {h: b.clone() for h, b in zip(hfs, back if len(hfs) > 1 else [back])}
+    return meta, tensors, decoded
+
+
+def write_gguf(path, meta, tensors):
+    w = gguf.GGUFWriter(str(path), "flint")
+    for key, (kind, value) in meta.items():
+        getattr(w, f"add_{kind}")(key, value)
+    for name, (data, raw_dtype) in tensors.items():
+        w.add_tensor(name, data, raw_dtype=raw_dtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_modelopt(path, nq, quantization=None):
+    """The ModelOpt NVFP4 export of the tiny model: uint8 weight (low nibble first), E4M3 weight_scale, fp32
+    weight_scale_2 (both [] and [1] shapes), an input_scale and a k_scale that flint ignores, BF16 embedding."""
+    from safetensors.torch import save_file
+    quantization = quantization or {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
+    tensors = {}
+    for i, (name, w) in enumerate(nq.state.items()):
+        if name not in nq.quant:
+            tensors[name] = w.bfloat16() if "embed" in name else w
+            continue
+        codes, scales, g = nq.quant[name]
+        base = name.removesuffix("weight")
+        tensors |= {name: codes[..., 0::2] | (codes[..., 1::2] << 4), base + "weight_scale": scales,
+                    base + "weight_scale_2": g.float().reshape([1] * (i % 2)), base + "input_scale": torch.tensor(1.0)}
+    tensors["model.layers.0.self_attn.k_proj.k_scale"] = torch.tensor(1.0)
+    path.mkdir()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((nq.src / "config.json").read_text()) | {"quantization_config": quantization}
+    (path / "config.json").write_text(json.dumps(cfg))
+    (path / "hf_quant_config.json").write_text(json.dumps(
+        {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "group_size": 16}}))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (path / f).write_bytes((nq.src / f).read_bytes())
+    return path
+
+
+def assert_logits_match(model, ids, want):
+    pos = torch.arange(ids.shape[1])[None].expand_as(ids)
+    got = model(ids, pos)
+    for w in want:                                                      # flint reference, then transformers
+        assert (got - w).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "modelopt"])
+def test_nvfp4_checkpoint_matches_oracles(nvfp4_tiny, tmp_path, fmt):
+    """The official GGUF layout and the ModelOpt export load 4-bit, decode to exactly the quantized weights, and
+    give the logits of flint's reference and of transformers on those weights (fp32, 1e-4)."""
+    nq = nvfp4_tiny
+    if fmt == "gguf":
+        path = write_gguf(tmp_path / "flint-nvfp4.gguf", *gguf_contents(nq)[:2])
+    else:
+        path = write_modelopt(tmp_path / "flint-nvfp4", nq)
+    ckpt = load.load(str(path), "cpu", torch.float32, progress=False)
+    model = ckpt.model
+    for name, w in model.weights():
+        assert isinstance(w, flint.NVFP4) == name.endswith(load.NVFP4_WEIGHTS), name
+    head = model.lm_head
+    assert torch.equal(head.dequantize() * head.row_scale[:, None], nq.deq["lm_head.weight"])
+    scales = [nq.quant[f"model.layers.3.mlp.experts.{e}.down_proj.weight"][2] for e in range(8)]
+    assert torch.equal(model.layers[3].ffn.down.row_scale[:, 0], torch.stack(scales))  # one per expert
+    assert_logits_match(model, nq.ids, nq.want)
+    if fmt == "gguf":
+        tok = ckpt.tokenizer
+        assert ckpt.chat_template == TEMPLATE and tok.eos_ids == {tok.token_to_id("<|endoftext|>")}
+
+
+def test_gguf_tokenizer_matches_tokenizers(nvfp4_tiny, tmp_path):
+    """The tokenizer rebuilt from tokenizer.ggml.* encodes like the tokenizers library on the tokenizer.json."""
+    path = write_gguf(tmp_path / "flint.gguf", *gguf_contents(nvfp4_tiny)[:2])
+    ours = load.load(str(path), "cpu", torch.float32, progress=False).tokenizer
+    hf = tokenizers.Tokenizer.from_file(str(nvfp4_tiny.src / "tokenizer.json"))
+    for text in SAMPLES + TRICKY + random_texts(100, seed=3):
+        assert ours.encode(text) == hf.encode(text, add_special_tokens=False).ids, repr(text)
+
+
+def test_gguf_other_types_are_dequantized(nvfp4_tiny, tmp_path, capfd):
+    """Community GGUF types load dequantized, with one notice: Q8_0 inside a fused q/k/v (whose NVFP4 parts are
+    dequantized too), F16, BF16 and a stacked Q8_0 expert tensor; logits follow the weights the file decodes to."""
+    types = {"blk.2.attn_k.weight": GGML.Q8_0, "blk.0.ffn_down.weight": GGML.F16, "output.weight": GGML.BF16,
+             "blk.3.ffn_up_exps.weight": GGML.Q8_0}
+    meta, tensors, decoded = gguf_contents(nvfp4_tiny, types)
+    model = flint_from(write_gguf(tmp_path / "mixed.gguf", meta, tensors))
+    err = capfd.readouterr().err
+    assert "2 tensors of type Q8_0 (2) are dequantized" in err and "layers.2.attn.qkv" in err
+    nvfp4 = {n for n, w in model.weights() if isinstance(w, flint.NVFP4)}
+    assert not {"layers.2.attn.qkv", "layers.0.ffn.down", "lm_head", "layers.3.ffn.gate_up"} & nvfp4
+    assert {"layers.3.attn.qkv", "layers.3.ffn.down"} <= nvfp4
+    weights = nvfp4_tiny.deq | decoded
+    assert_logits_match(model, nvfp4_tiny.ids, oracle_logits(nvfp4_tiny.src, weights, nvfp4_tiny.ids, tmp_path))
+
+
+def _edit(meta=None, drop=(), add=None, blocks=None):
+    """A GGUF variant: metadata updates (value None deletes), tensors dropped, added, or edited in place."""
+    def apply(m, t):
+        for k, v in (meta or {}).items():
+            m.pop(k) if v is None else m.update({k: v})
+        for name in drop:
+            t.pop(name)
+        t.update(add or {})
+        if blocks:
+            blocks(t)
+    return apply
+
+
+def _bad_scale_byte(t):
+    data = t["blk.2.attn_q.weight"][0].copy()
+    data[1, 2] = 0xFF                                                   # row 1: the scale of sub-block 2
+    t["blk.2.attn_q.weight"] = (data, GGML.NVFP4)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (_edit(meta={"general.tensor_extra.prec_a4": ("array", [False, True])}), "prec_a4"),
+    (_edit(blocks=_bad_scale_byte), r"blk.2.attn_q.weight: 1 NVFP4 block scales are the invalid byte 0xFF"),
+    (_edit(drop=["blk.3.ffn_up_exps.weight"]), r"ffn_up_exps.weight \(for flint layers.3.ffn.gate_up\) is missing"),
+    (_edit(meta={"flint.expert_feed_forward_length": ("uint32", 32)}), r"ffn_gate_exps.weight has shape \[8, 64, 64\]"),
+    (_edit(meta={"flint.expert_count": None}), r"\['flint.expert_count'\] are missing"),
+    (_edit(meta={"general.architecture": ("string", "llama")}), "architecture is 'llama'"),
+    (_edit(meta={"flint.expert_gating_func": ("uint32", 1)}), r"1 \(softmax\), but Flint routes with sigmoid"),
+    (_edit(meta={"flint.expert_weights_scale": ("float32", 2.5)}), "expert_weights_scale is 2.5"),
+    (_edit(add={"blk.2.exp_probs_b.bias": (np.zeros(8, np.float32), None)}), "unexpected tensors.*exp_probs_b"),
+    (_edit(add={"blk.3.ffn_down_exps.scale": (np.ones(3, np.float32), None)}), "expected 8 finite global scale"),
+    (_edit(meta={"tokenizer.ggml.merges": None}), r"tokenizer.ggml.merges'\] are missing"),
+], ids=["prec_a4", "scale-0xFF", "missing-tensor", "shape-vs-metadata", "missing-key", "architecture", "gating",
+        "weights-scale", "unknown-tensor", "scale-count", "no-merges"])
+def test_gguf_rejects(nvfp4_tiny, tmp_path, edit, match):
+    meta, tensors, _ = gguf_contents(nvfp4_tiny)
+    edit(meta, tensors)
+    with pytest.raises(ValueError, match=match):
+        load.load(str(write_gguf(tmp_path / "bad.gguf", meta, tensors)), progress=False)
+
+
+def test_gguf_rejects_truncated_and_undequantizable(nvfp4_tiny, tmp_path):
+    meta, tensors, _ = gguf_contents(nvfp4_tiny, {"blk.2.ffn_gate_inp.weight": GGML.I32})
+    with pytest.raises(ValueError, match="blk.2.ffn_gate_inp.weight has ggml type I32, which the gguf package cannot"):
+        load.load(str(write_gguf(tmp_path / "i32.gguf", meta, tensors)), progress=False)
+    path = write_gguf(tmp_path / "cut.gguf", *gguf_contents(nvfp4_tiny)[:2])
+    os.truncate(path, path.stat().st_size - 100)
+    with pytest.raises(ValueError, match="cut.gguf.*truncated"):
+        load.load(str(path), progress=False)
+    os.truncate(path, 1000)                                             # inside the metadata
+    with pytest.raises(ValueError, match="cut.gguf.*truncated"):
+        load.load(str(path), progress=False)
+
+
+@pytest.mark.parametrize("quantization, match", [
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32}, "group_size 32"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8"}, "quant_algo 'FP8'"),
+    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4", "config_groups": {"g": {"weights": {"group_size": 8}}}},
+     "group_size 8"),
+])
+def test_modelopt_rejects_other_quantizations(nvfp4_tiny, tmp_path, quantization, match):
+    with pytest.raises(ValueError, match=match):
+        load.load(str(write_modelopt(tmp_path / "mo", nvfp4_tiny, quantization)), progress=False)
+
+
+def test_modelopt_rejects_nan_scales(nvfp4_tiny, tmp_path):
+    from safetensors.torch import load_file, save_file
+    path = write_modelopt(tmp_path / "mo", nvfp4_tiny)
+    tensors = load_file(path / "model.safetensors")
+    name = "model.layers.2.mlp.experts.5.up_proj.weight_scale"
+    tensors[name].view(torch.uint8)[0, 0] = 0x7F
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"{name} holds 1 NaN scale bytes"):
+        load.load(str(path), progress=False)
+
+
+def test_gguf_cross_checks_config_json(nvfp4_tiny, tmp_path):
+    """A config.json beside the GGUF file must describe the same model."""
+    path = write_gguf(tmp_path / "flint.gguf", *gguf_contents(nvfp4_tiny)[:2])
+    cfg = json.loads((nvfp4_tiny.src / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    load.load(str(tmp_path), progress=False)
+    (tmp_path / "config.json").write_text(json.dumps(cfg | {"sliding_window": 7}))
+    with pytest.raises(ValueError, match="sliding_window is 5 in the GGUF metadata but 7 in"):
+        load.load(str(path), progress=False)
+
+
+def test_generate_reads_gguf(nvfp4_tiny, tmp_path):
+    """generate.py takes a directory holding a .gguf as --checkpoint (the other tests load .gguf files)."""
+    write_gguf(tmp_path / "flint.gguf", *gguf_contents(nvfp4_tiny)[:2])
+    r = run_generate("-c", str(tmp_path), "-p", "def fib(n):", "-n", "4", "-t", "0", "--json", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["tokens"]) == 4 and "in NVFP4" in r.stderr
+
+
+def test_find_gguf(tmp_path):
+    (tmp_path / "a.gguf").write_bytes(b"")
+    assert load.find_gguf(tmp_path) == load.find_gguf(tmp_path / "a.gguf") == tmp_path / "a.gguf"
+    (tmp_path / "b.gguf").write_bytes(b"")
+    with pytest.raises(ValueError, match="2 .gguf files"):
+        load.find_gguf(tmp_path)
+    with pytest.raises(ValueError, match="not a readable GGUF"):
+        load.load(str(tmp_path / "a.gguf"), progress=False)
 
 
 # -----------------------------------------------------------------------------
