@@ -81,7 +81,7 @@ def bench_config(model, cfg, weights, B, ctx, args, gemv_bw):
         t = time_steps(step, B, ctx, dev, args.iters if path == "fast" else 3)
         del step
         row = dict(weights=weights, path=path, batch=B, context=ctx, tok_s=B / t, ms=t * 1e3,
-                   gb=nbytes / 1e9, gbs=nbytes / t / 1e9, floor=nbytes / t / 1e6 / gemv_bw * 100)
+                   gb=nbytes / 1e9, gbs=nbytes / t / 1e9, floor=nbytes / t / 1e9 / gemv_bw * 100)
         print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
               file=sys.stderr)
         rows.append(row)
