@@ -438,7 +438,10 @@ class Transformer(nn.Module):
         self.norm = make("norm", C)
         self.lm_head = make("lm_head", V, C)
         self.rope = rope_table(cfg, 0, device)
-        fast = torch.device(device).type == "cuda" and dtype == torch.bfloat16
+        # the decode kernels take bf16 on CUDA, head_dim >= 32 (tensor-core tiles over half a head) and a
+        # power-of-two expert count (one routing tile)
+        fast = (torch.device(device).type == "cuda" and dtype == torch.bfloat16 and cfg.head_dim >= 32
+                and cfg.num_experts & (cfg.num_experts - 1) == 0)
         self.decode_ops = kernel_ops() if fast else REFERENCE_OPS
 
     @property

@@ -1219,7 +1219,7 @@ def load_tiny(device="cpu", dtype=torch.float32):
     tokenizer = Tokenizer.byte_level(TINY_SPECIAL_TOKENS, eos_token="<|end|>")
     tokenizer.eos_ids.add(tokenizer.token_to_id("<|endoftext|>"))
     cfg = flint.Config(vocab_size=tokenizer.n_vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, moe_intermediate_size=32,
                        shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2, sliding_window=33,
                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, max_position_embeddings=4096)
     model = flint.init_random(flint.Transformer(cfg, dtype, device), seed=0)
