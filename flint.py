@@ -25,6 +25,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# The reference GEMMs accumulate in fp32 and round once (spec §2): cuBLAS may otherwise reduce bf16 split-K partials
+# in bf16, which moves router logits by an ulp and flips near-tied expert choices against the kernels.
+torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+
 # -----------------------------------------------------------------------------
 # Config
 
