@@ -15,9 +15,7 @@ import sys
 import torch
 
 import flint
-
-QUANT_KINDS = ("attn.qkv", "attn.o", "ffn.gate_up", "ffn.down", "ffn.shared_gate_up", "ffn.shared_down", "lm_head")
-
+import load
 
 def floors(dev):
     """GB/s of a device-to-device copy (read + write) and of a bf16 GEMV that reads an lm_head-sized weight."""
@@ -96,7 +94,8 @@ def main(args):
     rows = []
     for weights in args.weights:
         nvfp4 = weights == "nvfp4"
-        names = [n for n, _ in flint.Transformer(cfg, torch.bfloat16, "meta").weights() if n.endswith(QUANT_KINDS)]
+        names = [n for n, _ in flint.Transformer(cfg, torch.bfloat16, "meta").weights()
+                 if n.endswith(load.NVFP4_WEIGHTS)]
         model = flint.init_random(flint.Transformer(cfg, torch.bfloat16, dev, nvfp4=names if nvfp4 else ()))
         print(f"{weights}: {torch.cuda.memory_allocated() / 2**30:.1f} GiB of weights", file=sys.stderr)
         for ctx in args.context:

@@ -99,7 +99,8 @@ def main(args):
     n_new = sum(len(o) for o in out)
     ttft = t_first - t0
     decode_tps = (n_new - len(out)) / (t_end - t_first) if t_end > t_first else 0.0
-    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _host_peak()) / 2**30
+    gpu, host = load.peak_memory_gib(device)
+    peak = host if gpu is None else gpu
     stats = {"prompt_tokens": n_prompt, "generated_tokens": n_new, "ttft_s": round(ttft, 4),
              "prefill_tok_s": round(n_prompt / ttft, 1), "decode_tok_s": round(decode_tps, 1),
              "peak_memory_gib": round(peak, 2), "batch": len(ids)}
@@ -112,11 +113,6 @@ def main(args):
     print(f"[{n_prompt} prompt tokens, {n_new} generated, batch {len(ids)} | TTFT {ttft * 1000:.0f} ms | prefill "
           f"{stats['prefill_tok_s']:.0f} tok/s | decode {decode_tps:.1f} tok/s | peak memory {peak:.2f} GiB]",
           file=sys.stderr)
-
-
-def _host_peak():
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
 
 
 def parser():

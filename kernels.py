@@ -114,7 +114,8 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
     else:
         offs_k = tl.arange(0, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
-            w = _load_f32(w_ptr + offs_n[:, None] * K + k0 + offs_k[None, :], nmask[:, None] & (k0 + offs_k[None, :] < K))
+            wmask = nmask[:, None] & (k0 + offs_k[None, :] < K)
+            w = _load_f32(w_ptr + offs_n[:, None] * K + k0 + offs_k[None, :], wmask)
             x = _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, k0 + offs_k, B, K, stride_b, ADD, NORM)
             acc = _mac(acc, x, w, offs_b, BLOCK_B, DOT)
     return acc
@@ -524,7 +525,8 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
     _moe_gate_up_kernel[(triton.cdiv(max(I, S_W), BLOCK_N), top_k + 1, B)](
         h, logits, wp, sp, rsp, swp, ssp, srsp, act, ids, wts,
         C, I, S_W,
-        E=E, A=top_k, A_PAD=triton.next_power_of_2(top_k), NORM_TOPK=norm_topk_prob, NVFP4=nvfp4, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
+        E=E, A=top_k, A_PAD=triton.next_power_of_2(top_k), NORM_TOPK=norm_topk_prob, NVFP4=nvfp4,
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
     out = torch.empty_like(h)
     _moe_down_kernel[(triton.cdiv(C, BLOCK_N), B)](
         act, ids, wts, dwp, dsp, drsp, sdwp, sdsp, sdrsp, out,

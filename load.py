@@ -1238,10 +1238,13 @@ def summary(name, model, seconds):
         n += w.shape.numel()
         n4 += w.shape.numel() if isinstance(w, flint.NVFP4) else 0
     nvfp4 = f" ({_count(n4)} in NVFP4)" if n4 else ""
-    if model.device.type == "cuda":
-        mem = f"{torch.cuda.max_memory_allocated(model.device) / 2**30:.1f} GiB GPU peak, "
-    else:
-        mem = ""
-    host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # KiB -> GiB (Linux)
+    gpu, host = peak_memory_gib(model.device)
+    mem = f"{gpu:.1f} GiB GPU peak, " if gpu is not None else ""
     return (f"loaded {name}: {_count(n)} parameters{nvfp4}, {model.dtype}, {model.device}, {seconds:.1f} s, "
             f"{mem}{host:.1f} GiB host peak")
+
+
+def peak_memory_gib(device):
+    """(peak GPU memory allocated on device, or None off CUDA; peak host RSS of this process), in GiB."""
+    gpu = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return gpu, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # Linux reports KiB
