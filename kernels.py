@@ -72,21 +72,29 @@ def _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, offs_k, B, K, stride_b,
 
 
 @triton.jit
-def _mac(acc, x, w, offs_b, BLOCK_B: tl.constexpr, DOT: tl.constexpr):
-    """acc[b, n] += sum_k x[b, k] * w[n, k] (fp32). Tensor cores from 16 rows up (bf16 operands: the values are
-    bf16-exact, so products are exact); below, one broadcast multiply-sum per row."""
-    if DOT:
-        if INTERPRET_DOT:
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
-    else:
-        for b in tl.static_range(BLOCK_B):
-            xb = tl.sum(tl.where(offs_b[:, None] == b, x, 0.0), axis=0)          # row b [BLOCK_K]
-            part = tl.sum(w * xb[None, :], axis=1)                               # [BLOCK_N]
-            acc += tl.where(offs_b[:, None] == b, part[None, :], 0.0)
-    return acc
+def _dot(acc, x, w):
+    """acc[b, n] += sum_k x[b, k] * w[n, k] on tensor cores, fp32 accumulation."""
+    if INTERPRET_DOT:
+        return acc + tl.dot(x, tl.trans(w), input_precision="ieee")
+    return acc + tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
 
+
+@triton.jit
+def _input_row(x_ptr, dx_ptr, nw_ptr, rstd, b, offs_k, B, K, stride_b, ADD: tl.constexpr, NORM: tl.constexpr):
+    """Row b of the input at columns offs_k (any shape) fp32: x (+ dx), RMS-normalized by rstd and nw, rounded."""
+    mask = offs_k < tl.where(b < B, K, 0)                              # rows past B read as 0
+    x = _load_f32(x_ptr + b * stride_b + offs_k, mask)
+    if ADD:
+        x += _load_f32(dx_ptr + b * stride_b + offs_k, mask)
+    if NORM:
+        x = _round_bf16(x * rstd * _load_f32(nw_ptr + offs_k, offs_k < K))
+    return x
+
+
+@triton.jit
+def _put_row(acc, part, offs_b, b):
+    """acc[b, :] += part (acc [BLOCK_B, BLOCK_N])."""
+    return acc + tl.where(offs_b[:, None] == b, part[None, :], 0.0)
 
 
 @triton.jit
@@ -94,30 +102,53 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
           w_ptr, s_ptr, offs_n, N, K,
           ADD: tl.constexpr, NORM: tl.constexpr, NVFP4: tl.constexpr,
           BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
-    """acc[b, n] += input[b, :] . W[offs_n, :] over all of K, for a bf16 or NVFP4 weight (rows offs_n < N)."""
+    """acc[b, n] += input[b, :] . W[offs_n, :] over all of K, for a bf16 or NVFP4 weight (rows offs_n < N).
+    From 16 rows up on tensor cores (bf16 operands: the values are bf16-exact, so products are exact); below, one
+    broadcast multiply-sum per row."""
     nmask = offs_n < N
-    if NVFP4:
-        # packed byte j of a row holds elements 2j (low nibble) and 2j+1 (high): multiply even and odd input
-        # columns separately; one e4m3 scale per 16 elements = per 8 bytes
+    if NVFP4 and DOT:
+        # packed byte j of a row holds elements 2j (low nibble) and 2j+1 (high): even and odd input columns
+        # separately; one e4m3 scale per 16 elements = per 8 bytes (x 2^14 undoes _e2m1's scaling)
         offs_j = tl.arange(0, BLOCK_K // 2)
         for k0 in range(0, K, BLOCK_K):
             wmask = nmask[:, None] & (k0 + 2 * offs_j[None, :] < K)
             byte = tl.load(w_ptr + offs_n[:, None] * (K // 2) + k0 // 2 + offs_j[None, :], mask=wmask, other=0)
             sc = _load_f32(s_ptr + offs_n[:, None] * (K // 16) + k0 // 16 + offs_j[None, :] // 8, wmask) * 16384.0
-            # (2^14 undoes _e2m1's scaling)
-            w_lo = _e2m1(byte & 15) * sc
-            w_hi = _e2m1(byte >> 4) * sc
             x_even = _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, k0 + 2 * offs_j, B, K, stride_b, ADD, NORM)
             x_odd = _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, k0 + 2 * offs_j + 1, B, K, stride_b, ADD, NORM)
-            acc = _mac(acc, x_even, w_lo, offs_b, BLOCK_B, DOT)
-            acc = _mac(acc, x_odd, w_hi, offs_b, BLOCK_B, DOT)
+            acc = _dot(acc, x_even, _e2m1(byte & 15) * sc)
+            acc = _dot(acc, x_odd, _e2m1(byte >> 4) * sc)
+    elif NVFP4:
+        # [BLOCK_N, groups of 16, 8 bytes]: products summed per group, then scaled once per group
+        G: tl.constexpr = BLOCK_K // 16
+        jj = tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :]               # byte in the chunk [G, 8]
+        offs_g = tl.arange(0, G)
+        for k0 in range(0, K, BLOCK_K):
+            jb = k0 // 2 + jj
+            byte = tl.load(w_ptr + offs_n[:, None, None] * (K // 2) + jb[None, :, :],
+                           mask=nmask[:, None, None] & (jb < K // 2)[None, :, :], other=0)
+            smask = nmask[:, None] & (k0 // 16 + offs_g < K // 16)[None, :]
+            sc = _load_f32(s_ptr + offs_n[:, None] * (K // 16) + k0 // 16 + offs_g[None, :], smask) * 16384.0
+            w_lo, w_hi = _e2m1(byte & 15), _e2m1(byte >> 4)
+            for b in tl.static_range(BLOCK_B):
+                rstd_b = tl.sum(tl.where(offs_b == b, rstd, 0.0), 0)
+                x_even = _input_row(x_ptr, dx_ptr, nw_ptr, rstd_b, b, 2 * jb, B, K, stride_b, ADD, NORM)
+                x_odd = _input_row(x_ptr, dx_ptr, nw_ptr, rstd_b, b, 2 * jb + 1, B, K, stride_b, ADD, NORM)
+                part = tl.sum(w_lo * x_even[None, :, :] + w_hi * x_odd[None, :, :], 2)
+                acc = _put_row(acc, tl.sum(part * sc, 1), offs_b, b)
     else:
         offs_k = tl.arange(0, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
             wmask = nmask[:, None] & (k0 + offs_k[None, :] < K)
             w = _load_f32(w_ptr + offs_n[:, None] * K + k0 + offs_k[None, :], wmask)
-            x = _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, k0 + offs_k, B, K, stride_b, ADD, NORM)
-            acc = _mac(acc, x, w, offs_b, BLOCK_B, DOT)
+            if DOT:
+                x = _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, k0 + offs_k, B, K, stride_b, ADD, NORM)
+                acc = _dot(acc, x, w)
+            else:
+                for b in tl.static_range(BLOCK_B):
+                    rstd_b = tl.sum(tl.where(offs_b == b, rstd, 0.0), 0)
+                    x = _input_row(x_ptr, dx_ptr, nw_ptr, rstd_b, b, k0 + offs_k, B, K, stride_b, ADD, NORM)
+                    acc = _put_row(acc, tl.sum(w * x[None, :], 1), offs_b, b)
     return acc
 
 
@@ -145,6 +176,37 @@ def _weight_args(w):
 def _block_b(B):
     assert 1 <= B <= 64, f"decode kernels take 1..64 rows, got {B}"
     return max(1, triton.next_power_of_2(B))
+
+
+# Tiles (BLOCK_N, BLOCK_K, num_warps) per kernel, rows (1; 2-8: one multiply-sum per row; 16-64: tensor cores)
+# and weight format: measured on an H200, the fastest of a sweep over 2..16 x 256..2048 x 2..8 warps (16..64 x
+# 64..256 x 4..8 on tensor cores) at Flint's shapes (.dev/tune.py), the GEMV ones summed over qkv, o and router.
+TILES = {
+    # kernel      rows  nvfp4
+    ("gemv",         1, False): (4, 2048, 8),
+    ("gemv",         1, True): (8, 1024, 8),
+    ("gemv",         8, False): (8, 1024, 4),
+    ("gemv",         8, True): (4, 1024, 4),
+    ("gemv",        64, False): (16, 256, 4),
+    ("gemv",        64, True): (16, 256, 4),
+    ("gemv_wide",    1, False): (8, 2048, 2),
+    ("gemv_wide",    1, True): (16, 256, 2),
+    ("gemv_wide",    8, False): (16, 1024, 2),
+    ("gemv_wide",    8, True): (8, 512, 2),
+    ("gemv_wide",   64, False): (16, 256, 4),
+    ("gemv_wide",   64, True): (16, 256, 4),
+    ("moe_gate_up",  1, False): (4, 1024, 2),
+    ("moe_gate_up",  1, True): (16, 1024, 8),
+    ("moe_down",     1, False): (4, 1024, 4),
+    ("moe_down",     1, True): (8, 512, 8),
+}
+
+
+def tiles(kernel, BLOCK_B, nvfp4, K):
+    """(BLOCK_N, BLOCK_K, num_warps) for a GEMV over K-wide rows; small tiles under the interpreter."""
+    rows = 1 if BLOCK_B == 1 else 8 if BLOCK_B <= 8 else 64
+    BLOCK_N, BLOCK_K, warps = (16, 64, 4) if INTERPRET else TILES[kernel, rows, nvfp4]
+    return BLOCK_N, min(BLOCK_K, max(16, triton.next_power_of_2(K))), warps
 
 
 # -----------------------------------------------------------------------------
@@ -211,11 +273,7 @@ def _launch_linear(x, dx, norm_w, w, eps, swiglu=False, f32=False):
     x_out = torch.empty_like(x) if norm else x
     h_out = torch.empty_like(x) if norm else x
     BLOCK_B = _block_b(B)
-    # 16 x 256 tiles: the configuration measured to compile and run for every call of a decode step on an H200.
-    # A sweep of the plain GEMV at batch 1 found 8 x 1024 tiles 2.5x faster (qkv 6.7 us), but one variant of
-    # this kernel then needs more shared memory than SM90 has: tuning per variant is the next step.
-    BLOCK_N, BLOCK_K, warps = (32, 64, 4) if INTERPRET else (16, 256, 4)
-    BLOCK_K = min(BLOCK_K, triton.next_power_of_2(K))
+    BLOCK_N, BLOCK_K, warps = tiles("gemv_wide" if N_out >= 32768 else "gemv", BLOCK_B, nvfp4, K)
     grid = (triton.cdiv(N_out, BLOCK_N),)
     _linear_kernel[grid](
         x, dx if dx is not None else x, norm_w if norm else x, x_out, h_out,
@@ -365,6 +423,11 @@ def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, o_ptr,
     tl.store(o_ptr + (b * H + h) * D + offs_d, _to_bf16(o))
 
 
+# splits of the sliding window, keys per split on full layers (4 to 128 splits), keys per step, warps: measured on
+# an H200
+ATTENTION = dict(sliding_splits=16, keys_per_split=1024, block_s=16, warps=8)
+
+
 def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos, window, eps):
     """One new token per row. qkv [B, (H+2G)D] bf16 (before q/k norm and RoPE); caches [B, S, G, D]; pos [B];
     window 0 = full layer (no RoPE). Writes the token's k, v at slot pos % S; returns o [B, H*D] bf16."""
@@ -374,8 +437,10 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.bfloat16
     assert pos.shape == (B,) and sinks.dtype == torch.float32 and cos.dtype == torch.float32
     # enough programs to fill the GPU at batch 1 (4 kv heads); the interpreter runs programs one by one
-    NUM_SPLITS = 2 if INTERPRET else 4 if window else max(4, min(64, triton.next_power_of_2(triton.cdiv(S, 1024))))
-    BLOCK_S = 32 if not INTERPRET else 16
+    t = dict(sliding_splits=2, keys_per_split=16, block_s=16, warps=4) if INTERPRET else ATTENTION
+    NUM_SPLITS = t["sliding_splits"] if window else \
+        max(4, min(128, triton.next_power_of_2(triton.cdiv(S, t["keys_per_split"]))))
+    BLOCK_S, warps = t["block_s"], t["warps"]
     m = torch.empty(B, H, NUM_SPLITS, device=qkv.device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(B, H, NUM_SPLITS, D, device=qkv.device, dtype=torch.float32)
@@ -385,7 +450,7 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
         S, eps, D ** -0.5 * LOG2E,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
         H=H, G=G, D=D, WINDOW=window, NUM_SPLITS=NUM_SPLITS,
-        BLOCK_R=max(16, triton.next_power_of_2(H // G)), BLOCK_S=BLOCK_S, num_warps=4)
+        BLOCK_R=max(16, triton.next_power_of_2(H // G)), BLOCK_S=BLOCK_S, num_warps=warps)
     o = torch.empty(B, H * D, device=qkv.device, dtype=torch.bfloat16)
     _attention_combine_kernel[(B, H)](m, l, acc, sinks, o, H=H, D=D, NUM_SPLITS=NUM_SPLITS, num_warps=4)
     return o
@@ -518,7 +583,7 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
     sdwp, sdsp, sdrsp, sd_nvfp4 = _weight_args(shared_down)
     assert nvfp4 == s_nvfp4 == d_nvfp4 == sd_nvfp4, "routed and shared experts must share one weight format"
     _block_b(B)
-    BLOCK_N, BLOCK_K = (32, 64) if INTERPRET else (16, 256)
+    BLOCK_N, BLOCK_K, warps = tiles("moe_gate_up", 1, nvfp4, C)
     act = torch.empty(B, top_k + 1, max(I, S_W), device=h.device, dtype=torch.bfloat16)
     ids = torch.empty(B, top_k, device=h.device, dtype=torch.int32)
     wts = torch.empty(B, top_k, device=h.device, dtype=torch.float32)
@@ -526,10 +591,11 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
         h, logits, wp, sp, rsp, swp, ssp, srsp, act, ids, wts,
         C, I, S_W,
         E=E, A=top_k, A_PAD=triton.next_power_of_2(top_k), NORM_TOPK=norm_topk_prob, NVFP4=nvfp4,
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=warps)
     out = torch.empty_like(h)
+    BLOCK_N, BLOCK_K, warps = tiles("moe_down", 1, nvfp4, min(I, S_W))
     _moe_down_kernel[(triton.cdiv(C, BLOCK_N), B)](
         act, ids, wts, dwp, dsp, drsp, sdwp, sdsp, sdrsp, out,
         C, I, S_W,
-        A=top_k, NVFP4=nvfp4, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
+        A=top_k, NVFP4=nvfp4, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=warps)
     return out

@@ -1166,27 +1166,40 @@ def tiny_model(nvfp4=False, seed=0):
     return model
 
 
+def checked_ops(worst):
+    """Decode ops that run the Triton op and the reference op on the same inputs, record the worst error of each
+    output relative to its max |value| in `worst`, and continue on the reference's values. (Whole steps are not
+    compared: a random model amplifies a one-ulp difference layer after layer, and a near-tie in a bf16 router
+    logit then picks another expert.)"""
+    fast = flint.kernel_ops()
+
+    def checked(name):
+        def op(*args, **kw):
+            want = getattr(flint.REFERENCE_OPS, name)(*[a.clone() if torch.is_tensor(a) else a for a in args], **kw)
+            got = getattr(fast, name)(*args, **kw)
+            for i, (g, w) in enumerate(zip(*[r if isinstance(r, tuple) else (r,) for r in (got, want)])):
+                close(g, w)
+                err = ((g.float() - w.float()).abs().max() / w.float().abs().max()).item()
+                worst[f"{name}[{i}]"] = max(worst.get(f"{name}[{i}]", 0.0), err)
+            return want
+        return op
+    return SimpleNamespace(**{name: checked(name) for name in vars(flint.REFERENCE_OPS)})
+
+
 @pytest.mark.parametrize("nvfp4", [False, True])
 def test_decode_kernels_match_reference_path(nvfp4):
-    """Whole decode steps of a tiny bf16 model, Triton ops against reference ops from the same cache, across the
-    ring's wrap. (Steps are compared one at a time: a random model amplifies one-ulp differences step by step.)"""
+    """Decode steps of a tiny model across the ring's wrap: inside each step, every Triton op on the reference
+    op's inputs (the cache included) agrees with it to bf16 rounding, and writes the same cache entries."""
     model = tiny_model(nvfp4)
     B, T = 2, 9
     ids = torch.randint(0, 300, (B, T + 4), generator=torch.Generator().manual_seed(0)).to(DEV)
     cache = flint.KVCache(model.cfg, B, 32, torch.bfloat16, DEV)
     model(ids[:, :T], torch.arange(T, device=DEV)[None].expand(B, T), cache)
+    worst = {}
+    model.decode_ops = checked_ops(worst)
     for t in range(T, T + 4):
-        twin = copy.copy(cache)
-        twin.k, twin.v = [k.clone() for k in cache.k], [v.clone() for v in cache.v]
-        step = (ids[:, t:t + 1], torch.full((B, 1), t, device=DEV))
-        model.decode_ops = flint.REFERENCE_OPS
-        want = model(*step, twin)
-        model.decode_ops = flint.kernel_ops()
-        got = model(*step, cache)
-        close(got, want)
-        top2 = want.topk(2, dim=-1).values
-        decisive = top2[..., 0] - top2[..., 1] > 2 * (got - want).abs().max()
-        assert torch.equal(got.argmax(-1)[decisive], want.argmax(-1)[decisive])
+        model(ids[:, t:t + 1], torch.full((B, 1), t, device=DEV), cache)
+    assert set(worst) >= {"add_norm_linear[2]", "attention_decode[0]", "moe_experts[0]"}, worst
 
 
 @cuda
@@ -1228,24 +1241,14 @@ def test_gpu_full_size_decode_ops(nvfp4):
     caches = [flint.KVCache(cfg, 1, 640, torch.bfloat16, DEV) for _ in range(2)]
     for cache in caches:
         model(ids[:, :600], torch.arange(600, device=DEV)[None], cache)
-    fast, worst = flint.kernel_ops(), {}
-
-    def checked(name):
-        def op(*args, **kw):
-            want = getattr(flint.REFERENCE_OPS, name)(*[a.clone() if torch.is_tensor(a) else a for a in args], **kw)
-            got = getattr(fast, name)(*args, **kw)
-            for i, (g, w) in enumerate(zip(*[r if isinstance(r, tuple) else (r,) for r in (got, want)])):
-                err = ((g.float() - w.float()).abs().max() / w.float().abs().max()).item()
-                worst[f"{name}[{i}]"] = max(worst.get(f"{name}[{i}]", 0.0), err)
-            return want                                                  # continue on the reference's values
-        return op
-    model.decode_ops = SimpleNamespace(**{name: checked(name) for name in vars(flint.REFERENCE_OPS)})
+    worst = {}
+    model.decode_ops = checked_ops(worst)
     model(ids[:, 600:601], torch.tensor([[600]], device=DEV), caches[0])
     print("\nworst relative error per op:", {k: round(v, 4) for k, v in worst.items()})
     assert max(worst.values()) <= 0.02
 
     out = []
-    for cache, ops in zip(caches, [flint.REFERENCE_OPS, fast]):
+    for cache, ops in zip(caches, [flint.REFERENCE_OPS, flint.kernel_ops()]):
         model.decode_ops = ops
         out.append(torch.cat([model(ids[:, t:t + 1], torch.tensor([[t]], device=DEV), cache)[0]
                               for t in range(600, 632)]))
