@@ -537,9 +537,10 @@ class KVCache:
         kc, vc = self.k[layer], self.v[layer]
         B, S = kc.shape[:2]
         rows = torch.arange(B, device=pos.device)[:, None]
-        if S == self.max_seq_len:                                        # full layer: write, then read it all
-            kc[rows, pos], vc[rows, pos] = k, v
-            return kc, vc, slot_positions(pos[:, -1:], S)
+        if S == self.max_seq_len:                                        # full layer: write, then read up to
+            kc[rows, pos], vc[rows, pos] = k, v                          # the newest position (a host sync)
+            n = int(pos[:, -1].max()) + 1
+            return kc[:, :n], vc[:, :n], slot_positions(pos[:, -1:], S)[:, :n]
         # Sliding ring: a query needs up to S - 1 earlier keys that this chunk's own writes may overwrite, so
         # attend over the ring as it was plus the chunk, then keep the chunk's last S tokens.
         ks, vs = torch.cat([kc, k], 1), torch.cat([vc, v], 1)
@@ -556,8 +557,8 @@ class DecodeStep:
     """next ids [B] = sample(model(ids [B], pos [B])) for the B sequences of `cache`, replayed from a CUDA graph.
 
     Everything the step reads lives in static buffers (ids, positions, the cache, the rope table), so a step is
-    two small copies and one replay. Build it before prefilling: the warm-up steps (which also compile the
-    Triton kernels) write at position 0. graph=False runs the same step eagerly."""
+    two small copies and one replay. The warm-up steps (which also compile the Triton kernels) write slot 0 of
+    the cache, which is restored afterwards. graph=False runs the same step eagerly."""
 
     def __init__(self, model, cache, temperature, top_k, top_p, n_vocab=None, graph=True):
         self.model, self.cache, self.graph = model, cache, None
@@ -565,6 +566,7 @@ class DecodeStep:
         B, dev = cache.batch_size, model.device
         self.ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        slot0 = [t[:, 0].clone() for t in cache.k + cache.v]
         self.out = self._step()                                          # warm-up (and rope table)
         if graph:
             stream = torch.cuda.Stream()
@@ -575,6 +577,8 @@ class DecodeStep:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):                           # capture
                 self.out = self._step()
+        for t, saved in zip(cache.k + cache.v, slot0):
+            t[:, 0] = saved
 
     def _step(self):
         return self.sample(self.model(self.ids, self.pos, self.cache)[:, -1])

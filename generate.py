@@ -13,6 +13,21 @@ import flint
 import load
 
 
+PREFILL_CHUNK = 1024                    # tokens per prefill forward: bounds activation memory on long prompts
+
+
+@torch.inference_mode()
+def prefill(model, cache, ids, start=0):
+    """Run token ids (a list) at positions start, start+1, ... of a one-row cache, in chunks; fp32 logits [1, V]
+    of the last one."""
+    dev = model.device
+    for i in range(0, len(ids), PREFILL_CHUNK):
+        chunk = ids[i:i + PREFILL_CHUNK]
+        pos = torch.arange(start + i, start + i + len(chunk), device=dev)[None]
+        logits = model(torch.tensor([chunk], device=dev), pos, cache, last_only=True)[:, -1]
+    return logits
+
+
 @torch.inference_mode()
 def generate(model, cache, prompts, max_new_tokens, temperature, top_k, top_p, n_vocab=None, graph=True):
     """Prefill each prompt (lists of token ids) into its row of the cache, then decode all rows together, one
@@ -20,10 +35,7 @@ def generate(model, cache, prompts, max_new_tokens, temperature, top_k, top_p, n
     decides when to stop."""
     dev = model.device
     step = flint.DecodeStep(model, cache, temperature, top_k, top_p, n_vocab, graph=graph and dev.type == "cuda")
-    logits = []
-    for b, ids in enumerate(prompts):                                   # prompts differ in length: one at a time
-        pos = torch.arange(len(ids), device=dev)[None]
-        logits.append(model(torch.tensor([ids], device=dev), pos, cache.row(b), last_only=True)[:, -1])
+    logits = [prefill(model, cache.row(b), ids) for b, ids in enumerate(prompts)]   # lengths differ: one by one
     tok = step.sample(torch.cat(logits))                                # [B]
     pos = torch.tensor([len(ids) for ids in prompts], device=dev)       # [B] next position per row
     for i in range(max_new_tokens):

@@ -11,6 +11,7 @@ import random
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -1279,3 +1280,117 @@ def test_gpu_generate_tiny_bf16():
     r = run_generate("-c", "tiny", "-p", "hello", "-n", "32", "--device", "cuda", "--json")
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout)["tokens"]) > 0
+
+
+# -----------------------------------------------------------------------------
+# chat.py
+
+
+def test_chat_cache_reuse_equals_fresh_prefill():
+    """A turn prefills only what the cache lacks (an extension, or a rewind to the last prefill's end whose
+    sliding rings were kept), and its logits equal a fresh prefill of the whole conversation; past the 33-key
+    window of the tiny model, so the rings wrap."""
+    import chat
+    ckpt = load.load("tiny", "cpu", torch.float32)
+    settings = dict(temperature=0.0, top_p=1.0, top_k=0, max_tokens=12)
+    c = chat.Chat(ckpt, 512, settings, graph=False)
+    g = torch.Generator().manual_seed(0)
+    a, b, r, d = [torch.randint(5, 250, (n,), generator=g).tolist() for n in (40, 30, 20, 25)]
+
+    def fresh(ids):
+        return chat.Chat(ckpt, 512, settings, graph=False).start(ids)
+    for ids, prefilled in [(a, 40), (a + b, 30), (a + b, 0)]:         # fresh, extension, the same prompt (/regen)
+        torch.testing.assert_close(c.start(ids), fresh(ids), atol=1e-4, rtol=0)
+        assert c.prefilled == prefilled
+    tok = torch.tensor([r[0]])                                       # decode a reply into the cache
+    for i, t in enumerate(r[1:]):
+        c.step(torch.tensor([t]), torch.tensor([70 + i]))
+        c.cached.append(t)
+    other = a + b + r[::-1] + d                                      # the template rendered the reply otherwise
+    torch.testing.assert_close(c.start(other), fresh(other), atol=1e-4, rtol=0)
+    assert c.prefilled == len(r) + len(d)
+    torch.testing.assert_close(c.start(d + a), fresh(d + a), atol=1e-4, rtol=0)   # nothing shared: from 0
+    assert c.prefilled == len(d + a)
+    del tok
+
+
+class Terminal:
+    """chat.py on a pseudo-terminal, driven like a person at a keyboard."""
+
+    def __init__(self, *args, cwd=HERE):
+        import pty
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:                                            # the child: chat.py on the terminal
+            os.chdir(cwd)
+            os.execv(sys.executable, [sys.executable, str(HERE / "chat.py"), *args])
+        self.seen = ""
+
+    def expect(self, pattern, timeout=120):
+        """Read until pattern (a regex) shows; return what came up to it."""
+        import select
+        deadline = time.time() + timeout
+        while (m := re.search(pattern, self.seen)) is None:
+            ready, _, _ = select.select([self.fd], [], [], max(0.0, deadline - time.time()))
+            if not ready:
+                raise AssertionError(f"no {pattern!r} within {timeout} s; the terminal shows:\n{self.seen[-3000:]}")
+            try:
+                data = os.read(self.fd, 1 << 16)
+            except OSError:
+                data = b""
+            if not data:
+                raise AssertionError(f"chat.py exited before {pattern!r}; the terminal shows:\n{self.seen[-3000:]}")
+            self.seen += data.decode(errors="replace")
+        text, self.seen = self.seen[:m.end()], self.seen[m.end():]
+        return text
+
+    def line(self, text, then=r"\[\d+ tokens \|[^\]]*\]", prompt=r"\n> "):
+        """Type a line, wait for `then` (by default a reply's stats line) and the next prompt (typing ahead would
+        race with Ctrl-C, which drops typed-ahead input, as terminals do)."""
+        os.write(self.fd, text.encode() + b"\r")
+        out = self.expect(then)
+        return out + (self.expect(prompt) if prompt else "")
+
+    def exit_status(self):
+        return os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+
+
+def test_chat_session_on_a_terminal(tmp_path):
+    """Turns, /set, /regen, /save, /clear, /load, multi-line input, Ctrl-C in a reply and at the prompt, a
+    message too long for the context, the history file, Ctrl-D: all on the tiny model through a terminal."""
+    history = tmp_path / "history"
+    t = Terminal("-c", "tiny", "-t", "0", "-n", "20", "--max-seq-len", "600", "--history", str(history))
+    t.expect(r"/help for commands[^>]*> ")
+    first = t.line("hello")
+    assert "20 tokens | prompt 8 (8 new)" in first                   # <|user|>hello<|end|><|assistant|>
+    second = t.line("and again")
+    n_prompt, n_new = map(int, re.search(r"prompt (\d+) \((\d+) new\)", second).groups())
+    assert n_prompt > 8 + 9 and n_new < n_prompt                   # the first turn came from the cache
+    assert "(0 new)" in t.line("/regen")
+    assert "temperature 0.0  top_p 0.95  top_k 20" in t.line("/set", then=r"top_k 20  max_tokens 20")
+    t.line("/save talk.json".replace("talk.json", str(tmp_path / "talk.json")), then=r"saved 4 messages")
+    t.line("/clear", then=r"new conversation")
+    assert "prompt 8 (8 new)" in t.line("howdy")
+    t.line(f"/load {tmp_path / 'talk.json'}", then=r"loaded 4 messages")
+    assert int(re.search(r"prompt (\d+)", t.line("go on")).group(1)) > n_prompt
+    t.line('"""', then=r"\.\.\. ", prompt=None)
+    t.line("two lines", then=r"\.\.\. ", prompt=None)
+    t.line('of text"""')
+    t.line(f"/save {tmp_path / 'talk2.json'}", then=r"saved 8 messages")
+    saved = json.loads((tmp_path / "talk2.json").read_text())
+    assert saved["messages"][6] == {"role": "user", "content": "two lines\nof text"}
+    t.line("/set max_tokens 5000", then=r"top_k 20  max_tokens 5000")
+    t.line("/clear", then=r"new conversation")
+    os.write(t.fd, b"count to a thousand\r")                         # 986 greedy tokens: stop it once it streams
+    t.expect(r"thousand\r\n.")
+    os.write(t.fd, b"\x03")
+    assert "interrupted" in t.expect(r"\[\d+ tokens \|[^\]]*\]") + t.expect(r"\n> ")
+    t.line("/set max_tokens 20", then=r"top_k 20  max_tokens 20")
+    assert "20 tokens" in t.line("and now the rest")                # the chat goes on
+    t.line("x" * 700, then=r"error: the conversation is \d+ tokens and the context holds 600")
+    t.line("/bogus", then=r"unknown command /bogus")
+    time.sleep(0.5)             # (a Ctrl-C between readline's prompt and its wait for keys is seen at the next key)
+    os.write(t.fd, b"\x03")
+    t.expect(r"Ctrl-D or /exit quits")
+    os.write(t.fd, b"\x04")
+    assert t.exit_status() == 0
+    assert "hello" in history.read_text()
