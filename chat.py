@@ -80,12 +80,15 @@ class Chat:
             same += 1
         if same < len(self.cached):
             # The template rendered the past differently (it may drop old reasoning). Full layers can rewind
-            # (they hold every position), sliding layers cannot: their rings hold only the newest 513 keys. So
-            # go back to the last prefill's end, whose rings were kept, or start afresh.
-            keep = snap is not None and len(snap[0]) <= same and snap[0] == ids[:len(snap[0])]
+            # (they hold every position), sliding layers cannot: their rings hold only the newest 513 keys, and a
+            # token at position p needs those of p - 512 .. p - 1. The rings kept at the last prefill's end n
+            # serve a restart at n - 1 or n (the reply, or the <think> a generation prompt opened, was dropped);
+            # otherwise start afresh.
+            n = len(snap[0]) if snap is not None else 0
+            keep = snap is not None and same >= n - 1 and snap[0][:same] == ids[:min(same, n)]
             if keep:
                 self.restore(snap)
-            same = len(snap[0]) if keep else 0
+            same = min(same, n) if keep else 0
         self.cached, self.snapshot = [], None                        # until the prefill has run
         logits = prefill(self.model, self.cache, ids[same:], start=same)
         self.cached, self.prefilled = list(ids), len(ids) - same

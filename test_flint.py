@@ -1302,16 +1302,20 @@ def test_chat_cache_reuse_equals_fresh_prefill():
     for ids, prefilled in [(a, 40), (a + b, 30), (a + b, 0)]:         # fresh, extension, the same prompt (/regen)
         torch.testing.assert_close(c.start(ids), fresh(ids), atol=1e-4, rtol=0)
         assert c.prefilled == prefilled
-    tok = torch.tensor([r[0]])                                       # decode a reply into the cache
-    for i, t in enumerate(r[1:]):
+    for i, t in enumerate(r):                                       # decode a reply into the cache
         c.step(torch.tensor([t]), torch.tensor([70 + i]))
         c.cached.append(t)
     other = a + b + r[::-1] + d                                      # the template rendered the reply otherwise
     torch.testing.assert_close(c.start(other), fresh(other), atol=1e-4, rtol=0)
     assert c.prefilled == len(r) + len(d)
+    for i, t in enumerate(r):                                       # another reply, then a prompt that drops
+        c.step(torch.tensor([t]), torch.tensor([len(other) + i]))    # the last token of the one before
+        c.cached.append(t)
+    again = other[:-1] + d
+    torch.testing.assert_close(c.start(again), fresh(again), atol=1e-4, rtol=0)
+    assert c.prefilled == len(d)
     torch.testing.assert_close(c.start(d + a), fresh(d + a), atol=1e-4, rtol=0)   # nothing shared: from 0
     assert c.prefilled == len(d + a)
-    del tok
 
 
 class Terminal:
@@ -1358,7 +1362,7 @@ def test_chat_session_on_a_terminal(tmp_path):
     """Turns, /set, /regen, /save, /clear, /load, multi-line input, Ctrl-C in a reply and at the prompt, a
     message too long for the context, the history file, Ctrl-D: all on the tiny model through a terminal."""
     history = tmp_path / "history"
-    t = Terminal("-c", "tiny", "-t", "0", "-n", "20", "--max-seq-len", "600", "--history", str(history))
+    t = Terminal("-c", "tiny", "-t", "0", "-n", "20", "--max-seq-len", "600", "--history", str(history), "--device", "cpu")
     t.expect(r"/help for commands[^>]*> ")
     first = t.line("hello")
     assert "20 tokens | prompt 8 (8 new)" in first                   # <|user|>hello<|end|><|assistant|>
@@ -1394,3 +1398,65 @@ def test_chat_session_on_a_terminal(tmp_path):
     os.write(t.fd, b"\x04")
     assert t.exit_status() == 0
     assert "hello" in history.read_text()
+
+
+THINK_TEMPLATE = """{%- for m in messages -%}
+{%- if m.role == 'system' -%}{{ m.content }}
+{%- elif m.role == 'user' -%}<|user|>{{ m.content }}
+{%- else -%}<|assistant|>{% if loop.last and m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}
+{{- m.content }}<|endoftext|>
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|assistant|><think>{%- endif -%}"""
+
+
+def test_chat_checkpoints_thinking_and_full_context(hf_tiny, nvfp4_tiny, tmp_path):
+    """A BF16 directory whose template opens the reasoning and drops it from past turns (the next turn rewinds
+    to the last prefill's end), --hide-thinking, a reply that fills the context, a message that does not fit;
+    then a GGUF file whose template refuses a loaded conversation."""
+    import shutil
+    d = Path(shutil.copytree(hf_tiny[1], tmp_path / "bf16"))
+    (d / "chat_template.jinja").write_text(THINK_TEMPLATE)
+    t = Terminal("-c", str(d), "-t", "0", "-n", "12", "--hide-thinking", "--max-seq-len", "90", "--history", "",
+                 "--device", "cpu")
+    t.expect(r"/help for commands[^>]*> ")
+    first = t.line("hi")
+    assert "thinking..." in first and "[12 tokens" in first          # the prompt ends in <think>: all reasoning
+    n_first = int(re.search(r"prompt (\d+) \(\1 new\)", first).group(1))
+    second = t.line("more please")
+    n_prompt, n_new = map(int, re.search(r"prompt (\d+) \((\d+) new\)", second).groups())
+    assert n_new == n_prompt - (n_first - 1)                         # rewound to the first prompt's <think>
+    t.line("/set max_tokens 500", then=r"max_tokens 500")
+    assert "the context is full" in t.line("go on")
+    t.line("and then " * 30, then=r"error: the conversation is \d+ tokens and the context holds 90")
+    t.line("/clear", then=r"new conversation")
+    assert f"prompt {n_first} ({n_first} new)" in t.line("hi")
+    os.write(t.fd, b"/exit\r")
+    assert t.exit_status() == 0
+
+    path = write_gguf(tmp_path / "flint.gguf", *gguf_contents(nvfp4_tiny)[:2])
+    (tmp_path / "talk.json").write_text(json.dumps([{"role": "user", "content": "call it"},
+                                                    {"role": "tool", "content": "42"}]))
+    t = Terminal("-c", str(path), "-n", "4", "--history", "", "--device", "cpu")
+    t.expect(r"/help for commands[^>]*> ")
+    t.line(f"/load {tmp_path / 'talk.json'}", then=r"loaded 2 messages")
+    t.line("so?", then=r"error: chat template error: no tools here: 42; this message was not sent")
+    t.line("/clear", then=r"new conversation")
+    assert "4 tokens" in t.line("hello")
+    os.write(t.fd, b"\x04")
+    assert t.exit_status() == 0
+
+
+@cuda
+def test_gpu_chat_tiny():
+    """chat.py on the GPU: CUDA-graph decode, a rebuilt graph after /set, cache reuse across turns."""
+    t = Terminal("-c", "tiny", "-n", "16", "--history", "", "--device", "cuda")
+    t.expect(r"/help for commands[^>]*> ")
+    assert "16 tokens" in t.line("hello")
+    t.line("/set temperature 0.5", then=r"temperature 0.5  ")
+    second = t.line("and again")
+    n_prompt, n_new = map(int, re.search(r"prompt (\d+) \((\d+) new\)", second).groups())
+    assert n_new < n_prompt
+    assert "(0 new)" in t.line("/regen")
+    os.write(t.fd, b"\x04")
+    assert t.exit_status() == 0
