@@ -23,7 +23,7 @@ from generate import prefill  # noqa: E402
 HELP = """commands:
   /help                      this help
   /clear                     start a new conversation (keeps the system prompt)
-  /system [TEXT]             show or set the system prompt (an empty TEXT removes it)
+  /system [TEXT]             show or set the system prompt
   /set [NAME VALUE]          show the settings, or set temperature, top_p, top_k or max_tokens
   /regen                     answer the last message again
   /save FILE, /load FILE     write or read the conversation as JSON
@@ -122,7 +122,7 @@ class Chat:
                 break
             out.write(decoder.push(t))
             if len(new) >= self.settings["max_tokens"]:
-                stop = f"stopped at max_tokens {self.settings['max_tokens']} (/set max_tokens N)"
+                stop = "max_tokens reached"
                 break
             if int(pos) + 1 >= self.cache.max_seq_len:
                 stop = "the context is full: /clear starts a new conversation"
@@ -274,10 +274,10 @@ def set_setting(chat, name, value):
     except ValueError:
         raise ValueError(f"/set {name}: expected a{'n integer' if SETTINGS[name] is int else ' number'}, "
                          f"got {value!r}") from None
-    ok = {"temperature": v >= 0, "top_p": 0 < v <= 1, "top_k": v >= 0, "max_tokens": v >= 1}[name]
+    ok, expected = {"temperature": (v >= 0, "0 (greedy) or more"), "top_p": (0 < v <= 1, "above 0, at most 1"),
+                    "top_k": (v >= 0, "0 (off) or more"), "max_tokens": (v >= 1, "1 or more")}[name]
     if not ok:
-        raise ValueError(f"/set {name}: {value} is out of range (temperature >= 0, 0 < top_p <= 1, top_k >= 0 "
-                         f"(0 = off), max_tokens >= 1)")
+        raise ValueError(f"/set {name}: expected {expected}, got {value}")
     chat.settings[name] = v
     if name != "max_tokens":
         chat.new_step()
@@ -368,6 +368,8 @@ def answer(chat, out, color):
         print("\n(interrupted; this message was not sent)", file=sys.stderr)
         return
     note = f" | {s['stop']}" if s["stop"] else ""
+    if s["stop"] == "interrupted":                                   # the terminal may drop output at Ctrl-C
+        print(file=sys.stderr)
     print(dim(f"[{s['tokens']} tokens | prompt {s['prompt']} ({s['prefilled']} new) | TTFT {s['ttft'] * 1000:.0f} "
               f"ms | decode {s['tok_s']:.1f} tok/s{note}]", color), file=sys.stderr)
 

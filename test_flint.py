@@ -1317,6 +1317,18 @@ def test_chat_cache_reuse_equals_fresh_prefill():
     torch.testing.assert_close(c.start(d + a), fresh(d + a), atol=1e-4, rtol=0)   # nothing shared: from 0
     assert c.prefilled == len(d + a)
 
+    # whole greedy turns: each reply from the reused cache equals the reply to a fresh prefill of the conversation
+    import io
+    reused = chat.Chat(ckpt, 512, settings, graph=False)
+    for text in ["hello", "tell me more", "and again"]:
+        reused.messages.append({"role": "user", "content": text})
+        reused.reply(chat.Printer(io.StringIO(), False, False))
+        alone = chat.Chat(ckpt, 512, settings, graph=False)
+        alone.messages = reused.messages[:-1]
+        alone.reply(chat.Printer(io.StringIO(), False, False))
+        assert alone.messages[-1] == reused.messages[-1]
+        assert alone.prefilled > reused.prefilled or len(reused.messages) == 2    # turns 2, 3 reuse
+
 
 class Terminal:
     """chat.py on a pseudo-terminal, driven like a person at a keyboard."""
@@ -1362,7 +1374,8 @@ def test_chat_session_on_a_terminal(tmp_path):
     """Turns, /set, /regen, /save, /clear, /load, multi-line input, Ctrl-C in a reply and at the prompt, a
     message too long for the context, the history file, Ctrl-D: all on the tiny model through a terminal."""
     history = tmp_path / "history"
-    t = Terminal("-c", "tiny", "-t", "0", "-n", "20", "--max-seq-len", "600", "--history", str(history), "--device", "cpu")
+    t = Terminal("-c", "tiny", "-t", "0", "-n", "20", "--max-seq-len", "600", "--history", str(history),
+                 "--device", "cpu")
     t.expect(r"/help for commands[^>]*> ")
     first = t.line("hello")
     assert "20 tokens | prompt 8 (8 new)" in first                   # <|user|>hello<|end|><|assistant|>
