@@ -1335,7 +1335,10 @@ class Terminal:
 
     def __init__(self, *args, cwd=HERE):
         import pty
-        self.pid, self.fd = pty.fork()
+        import warnings
+        with warnings.catch_warnings():                              # the child only execs: forking is safe
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.pid, self.fd = pty.fork()
         if self.pid == 0:                                            # the child: chat.py on the terminal
             os.chdir(cwd)
             os.execv(sys.executable, [sys.executable, str(HERE / "chat.py"), *args])
