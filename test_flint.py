@@ -1231,33 +1231,41 @@ def test_gpu_graph_generation_matches_reference(nvfp4):
 @pytest.mark.parametrize("nvfp4", [False, True])
 def test_gpu_full_size_decode_ops(nvfp4):
     """Full-size random Flint after a 600-token prompt (the rings have wrapped): in one decode step, every Triton
-    op on the reference op's inputs agrees with it to bf16 rounding. Then 32 teacher-forced steps of each path on
-    its own cache, whose logit differences and top-1 agreement are printed: random weights amplify one-ulp
-    differences layer after layer, so those are reported, not asserted (issue 4 tracks them)."""
+    op on the reference op's inputs agrees with it to bf16 rounding. Then 32 teacher-forced steps, each path on its
+    own cache: the fast path against the reference, and, as the yardstick, the reference against itself inside a
+    batch of 2 (the same math; cuBLAS sums in another order). Random weights amplify one-ulp differences layer
+    after layer and flip near-tied router choices, so both are printed, not asserted (see issue 4)."""
     cfg = flint.Config(rope_theta=10000.0)
     names = [n for n, _ in flint.Transformer(cfg, torch.bfloat16, "meta").weights()
              if n.endswith(load.NVFP4_WEIGHTS)]
     model = flint.init_random(flint.Transformer(cfg, torch.bfloat16, DEV, nvfp4=names if nvfp4 else ()))
     ids = torch.randint(0, cfg.vocab_size, (1, 632), generator=torch.Generator().manual_seed(0)).to(DEV)
-    caches = [flint.KVCache(cfg, 1, 640, torch.bfloat16, DEV) for _ in range(2)]
-    for cache in caches:
-        model(ids[:, :600], torch.arange(600, device=DEV)[None], cache)
+
+    def prefilled(B):
+        cache = flint.KVCache(cfg, B, 640, torch.bfloat16, DEV)
+        model.decode_ops = flint.REFERENCE_OPS
+        for b in range(B):
+            model(ids[:, :600], torch.arange(600, device=DEV)[None], cache.row(b))
+        return cache
+
     worst = {}
     model.decode_ops = checked_ops(worst)
-    model(ids[:, 600:601], torch.tensor([[600]], device=DEV), caches[0])
+    model(ids[:, 600:601], torch.tensor([[600]], device=DEV), prefilled(1))
     print("\nworst relative error per op:", {k: round(v, 4) for k, v in worst.items()})
     assert max(worst.values()) <= 0.02
 
-    out = []
-    for cache, ops in zip(caches, [flint.REFERENCE_OPS, flint.kernel_ops()]):
+    def steps(ops, B):
+        cache = prefilled(B)
         model.decode_ops = ops
-        out.append(torch.cat([model(ids[:, t:t + 1], torch.tensor([[t]], device=DEV), cache)[0]
-                              for t in range(600, 632)]))
-    ref, got = out
-    diff = (got - ref).abs()
-    print(f"full-size {'nvfp4' if nvfp4 else 'bf16'}, 32 teacher-forced steps: max |diff| {diff.max().item():.4f}, "
-          f"mean {diff.mean().item():.5f}, mean |logit| {ref.abs().mean().item():.4f}, top-1 agreement "
-          f"{(got.argmax(-1) == ref.argmax(-1)).float().mean().item():.3f}")
+        return torch.cat([model(ids[:, t:t + 1].expand(B, 1), torch.full((B, 1), t, device=DEV), cache)[:1, 0]
+                          for t in range(600, 632)])
+    ref = steps(flint.REFERENCE_OPS, 1)
+    for name, got in [("fast path vs reference", steps(flint.kernel_ops(), 1)),
+                      ("reference in a batch of 2 vs alone", steps(flint.REFERENCE_OPS, 2))]:
+        diff = (got - ref).abs()
+        print(f"full-size {'nvfp4' if nvfp4 else 'bf16'}, 32 teacher-forced steps, {name}: max |diff| "
+              f"{diff.max().item():.4f}, mean {diff.mean().item():.5f} (mean |logit| {ref.abs().mean().item():.4f}), "
+              f"top-1 agreement {(got.argmax(-1) == ref.argmax(-1)).float().mean().item():.3f}")
 
 
 # -----------------------------------------------------------------------------
