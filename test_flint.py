@@ -1198,7 +1198,7 @@ def test_decode_kernels_match_reference_path(nvfp4):
     model(ids[:, :T], torch.arange(T, device=DEV)[None].expand(B, T), cache)
     worst = {}
     model.decode_ops = checked_ops(worst)
-    for t in range(T, T + 4):
+    for t in range(T, T + 2):
         model(ids[:, t:t + 1], torch.full((B, 1), t, device=DEV), cache)
     assert set(worst) >= {"add_norm_linear[2]", "attention_decode[0]", "moe_experts[0]"}, worst
 
