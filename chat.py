@@ -412,7 +412,11 @@ def main(args):
     settings = {k: getattr(args, k) if getattr(args, k) is not None else ckpt.sampling[k]
                 for k in ("temperature", "top_p", "top_k")}
     settings["max_tokens"] = args.max_tokens
-    chat = Chat(ckpt, max_seq_len, settings, graph=not args.no_graph, system=args.system)
+    try:
+        chat = Chat(ckpt, max_seq_len, settings, graph=not args.no_graph, system=args.system)
+    except torch.OutOfMemoryError:
+        raise ValueError(f"the KV cache for a {max_seq_len}-token context does not fit in {device} memory next to "
+                         f"the model; lower --max-seq-len") from None
     color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
     out = Printer(sys.stdout, args.hide_thinking, color)
     history = Path(args.history).expanduser() if args.history else None
@@ -422,8 +426,8 @@ def main(args):
             readline.read_history_file(history)
     except (ImportError, OSError) as e:
         print(f"(no input history: {e})", file=sys.stderr)
-    print(f"chatting with {ckpt.name} (context {max_seq_len} tokens); /help for commands, Ctrl-D to quit",
-          file=sys.stderr)
+    print(f"chatting with {ckpt.name} (context {max_seq_len} tokens, KV cache {chat.cache.nbytes / 2**30:.2f} GiB); "
+          f"/help for commands, Ctrl-D to quit", file=sys.stderr)
     while True:
         try:
             if not turn(chat, out, color):

@@ -1338,6 +1338,26 @@ def test_chat_cache_reuse_equals_fresh_prefill():
         assert alone.prefilled > reused.prefilled or len(reused.messages) == 2    # turns 2, 3 reuse
 
 
+def test_chat_reasoning_display_and_message():
+    """<think> tags split over tokens: reasoning shown apart, or hidden; the message keeps it in reasoning_content."""
+    import io
+    import chat
+    chunks = ["<th", "ink>Let me", " see.</th", "ink>\n\nIt is", " 4."]
+    for hide, want in [(False, "Let me see.\nIt is 4.\n"), (True, "thinking...\nIt is 4.\n")]:
+        out = io.StringIO()
+        p = chat.Printer(out, hide, color=False)
+        p.begin(False)
+        for c in chunks:
+            p.write(c)
+        p.end()
+        assert out.getvalue() == want
+    text = "".join(chunks)
+    assert chat.assistant_message(text, False) == {"role": "assistant", "content": "It is 4.",
+                                                   "reasoning_content": "Let me see."}
+    assert chat.assistant_message(text[len("<think>"):], True) == chat.assistant_message(text, False)
+    assert chat.assistant_message("plain", False) == {"role": "assistant", "content": "plain"}
+
+
 class Terminal:
     """chat.py on a pseudo-terminal, driven like a person at a keyboard."""
 
