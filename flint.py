@@ -162,6 +162,9 @@ def slot_positions(last, S):
     return last - (last - torch.arange(S, device=last.device)) % S
 
 
+SCORES_BUDGET = 2**28          # attention scores per prefill block (fp32: 1 GiB), whatever the context length
+
+
 def sink_attention_ref(q, k, v, sinks, q_pos, k_pos, window):
     """Attention with learned sinks over keys identified by their absolute positions (§2.3.4-7).
 
@@ -374,7 +377,10 @@ class Attention(nn.Module):
             ks, vs, k_pos = k, v, pos
         else:
             ks, vs, k_pos = cache.store(self.layer, k, v, pos)
-        o = sink_attention_ref(q, ks, vs, self.sinks, pos, k_pos, self.window)  # [B, T, H, D]
+        # queries in blocks, so that the fp32 scores stay within SCORES_BUDGET elements at long context
+        n = max(1, SCORES_BUDGET // (B * H * ks.shape[1]))
+        o = torch.cat([sink_attention_ref(q[:, i:i + n], ks, vs, self.sinks, pos[:, i:i + n], k_pos, self.window)
+                       for i in range(0, T, n)], 1)                      # [B, T, H, D]
         return o.reshape(B * T, H * D)
 
 

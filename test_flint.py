@@ -140,6 +140,13 @@ def test_cached_decode_equals_recompute(hf_tiny):
     # the same cache again from position 0: what the first pass left must be invisible
     chunks = [model(ids[:, a:b], pos[:, a:b], cache) for a, b in [(0, 3), (3, 11), (11, 12), (12, T)]]
     assert (torch.cat(chunks, 1) - full).abs().max() <= 1e-5
+    # attention scores in blocks of a few queries (what a long context does to a prefill chunk)
+    budget, flint.SCORES_BUDGET = flint.SCORES_BUDGET, 2 * 4 * 40                # 2 rows x 4 heads x 40 keys
+    try:
+        chunks = [model(ids[:, a:b], pos[:, a:b], cache) for a, b in [(0, 11), (11, T)]]
+    finally:
+        flint.SCORES_BUDGET = budget
+    assert (torch.cat(chunks, 1) - full).abs().max() <= 1e-5
 
 
 def test_cache_rows_of_different_lengths(hf_tiny):
