@@ -1,9 +1,11 @@
-"""Triton kernels for Flint decode: each has a plain-torch twin of the same name plus `_ref` in flint.py.
+"""Triton kernels for Flint: each has a plain-torch twin of the same name plus `_ref` in flint.py.
 
 - add_norm_linear: residual add + RMSNorm + GEMV (qkv, router, lm_head), optionally + SwiGLU (dense MLP gate/up).
 - linear: GEMV (o_proj, dense down).
 - attention_decode: q/k RMSNorm + RoPE + KV-cache write + attention with learned sinks, split over the keys
   (flash-decoding, Dao et al. 2023) so that one sequence fills the GPU, then a combine kernel.
+- sink_attention: prefill attention with sinks over keys named by their positions (flash attention; checked
+  against its reference in the interpreter, not yet used by the model: it awaits its GPU run, issue 5).
 - moe_experts: sigmoid top-k routing + gate/up + SwiGLU of the selected experts and the shared expert in one
   launch, then down + weighted combine + shared add in one launch.
 
@@ -453,6 +455,95 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
         BLOCK_R=max(16, triton.next_power_of_2(H // G)), BLOCK_S=BLOCK_S, num_warps=warps)
     o = torch.empty(B, H * D, device=qkv.device, dtype=torch.bfloat16)
     _attention_combine_kernel[(B, H)](m, l, acc, sinks, o, H=H, D=D, NUM_SPLITS=NUM_SPLITS, num_warps=4)
+    return o
+
+
+# -----------------------------------------------------------------------------
+# sink_attention: prefill attention with sinks (flash attention over keys named by their positions)
+
+
+@triton.jit
+def _sink_attention_kernel(
+    # pointers
+    q_ptr, k_ptr, v_ptr, sinks_ptr, qpos_ptr, kpos_ptr, o_ptr,
+    # sizes
+    T, S, qk_scale,
+    # strides (q and o: [B, T, H, D]; k, v: [B, S, G, D]; positions: [B, T] and [B, S])
+    stride_qb, stride_qt, stride_kb, stride_ks, stride_vb, stride_vs, stride_qpb, stride_kpb,
+    # meta-parameters
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, WINDOW: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Program (query block, kv head g, row b): BLOCK_M queries x the R query heads of group g as one tile of
+    BLOCK_M * BLOCK_R rows, so the group's heads share each K/V tile. Keys are visible by position, as in
+    sink_attention_ref; the sink joins the softmax denominator at the end."""
+    mb, g, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    R: tl.constexpr = H // G
+    ROWS: tl.constexpr = BLOCK_M * BLOCK_R
+    rows = tl.arange(0, ROWS)
+    t = mb * BLOCK_M + rows // BLOCK_R                                # query index of each row
+    r = rows % BLOCK_R                                                # head within the group
+    rmask = (t < T) & (r < R)
+    offs_d = tl.arange(0, D)
+    q = _load_f32(q_ptr + b * stride_qb + t[:, None] * stride_qt + (g * R + r[:, None]) * D + offs_d[None, :],
+                  rmask[:, None])
+    qp = tl.load(qpos_ptr + b * stride_qpb + t, mask=rmask, other=0)
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, D], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for s0 in range(0, S, BLOCK_N):
+        s = s0 + offs_n
+        smask = s < S
+        kp = tl.load(kpos_ptr + b * stride_kpb + s, mask=smask, other=-1)
+        kt = _load_f32(k_ptr + b * stride_kb + s[:, None] * stride_ks + g * D + offs_d[None, :], smask[:, None])
+        vt = _load_f32(v_ptr + b * stride_vb + s[:, None] * stride_vs + g * D + offs_d[None, :], smask[:, None])
+        if INTERPRET_DOT:
+            sc = tl.dot(q, tl.trans(kt), input_precision="ieee")
+        else:
+            sc = tl.dot(q.to(tl.bfloat16), tl.trans(kt.to(tl.bfloat16)))
+        dist = qp[:, None] - kp[None, :]
+        visible = (kp[None, :] >= 0) & (dist >= 0) & rmask[:, None]
+        if WINDOW > 0:
+            visible &= dist < WINDOW
+        sc = tl.where(visible, sc * qk_scale, float("-inf"))         # log2 units
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)         # no visible key yet: keep zeros
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(sc - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if INTERPRET_DOT:
+            pv = tl.dot(_round_bf16(p), vt, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(tl.bfloat16), vt.to(tl.bfloat16))
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    sink = tl.load(sinks_ptr + g * R + r, mask=r < R, other=0.0) * 1.4426950408889634   # to log2 units
+    m_all = tl.maximum(m_i, sink)
+    scale = tl.exp2(m_i - m_all)                                      # no visible key: 2^-inf = 0
+    o = acc * scale[:, None] / (l_i * scale + tl.exp2(sink - m_all))[:, None]
+    tl.store(o_ptr + b * stride_qb + t[:, None] * stride_qt + (g * R + r[:, None]) * D + offs_d[None, :],
+             _to_bf16(o), mask=rmask[:, None])
+
+
+def sink_attention(q, k, v, sinks, q_pos, k_pos, window):
+    """q [B, T, H, D] bf16; k, v [B, S, G, D] bf16 (rows of a cache may be strided); sinks [H] fp32; q_pos
+    [B, T], k_pos [B, S] (-1: empty slot); window 0 = full. Returns o [B, T, H, D] bf16 (see sink_attention_ref)."""
+    B, T, H, D = q.shape
+    S, G = k.shape[1], k.shape[2]
+    assert q.is_contiguous() and q.dtype == k.dtype == v.dtype == torch.bfloat16 and sinks.dtype == torch.float32
+    assert k.stride(2) == D and k.stride(3) == 1 and v.stride(2) == D and v.stride(3) == 1, "heads must be packed"
+    assert q_pos.stride(1) == 1 and k_pos.stride(1) == 1
+    o = torch.empty_like(q)
+    BLOCK_R = triton.next_power_of_2(H // G)
+    BLOCK_M = max(1, (16 if INTERPRET else 128) // BLOCK_R)           # 128 rows of (query, head) per tile
+    BLOCK_N = 16 if INTERPRET else 64
+    _sink_attention_kernel[(triton.cdiv(T, BLOCK_M), G, B)](
+        q, k, v, sinks, q_pos, k_pos, o,
+        T, S, D ** -0.5 * LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_pos.stride(0),
+        k_pos.stride(0),
+        H=H, G=G, D=D, WINDOW=window, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, num_warps=8)
     return o
 
 

@@ -1148,6 +1148,32 @@ def test_attention_decode_kernel(window, S, H, G):
         assert torch.equal(vc, vc2)
 
 
+@pytest.mark.parametrize("window, H, G", [(5, 4, 2), (0, 8, 2), (7, 4, 4)])
+def test_sink_attention_kernel(window, H, G):
+    """Prefill attention: a chunk of 11 queries over a strided cache slice (full) or a wrapped ring plus the chunk
+    (sliding), empty slots, rows at different positions, GQA groups 1..4."""
+    B, T, D, S_max = 2, 11, 32, 40
+    g = torch.Generator().manual_seed(window)
+    start = torch.tensor([3, 20])                                       # where each row's chunk begins
+    q_pos = start[:, None] + torch.arange(T)
+    if window:                                                          # the ring as it was, then the chunk
+        ring = flint.slot_positions(start[:, None] - 1, window)
+        k_pos = torch.cat([ring, q_pos], 1)
+        k = rand_act(B, window + T, G, D, seed=2)
+        v = rand_act(B, window + T, G, D, seed=3)
+    else:                                                               # the first n slots of a full cache
+        n = int(q_pos.max()) + 1
+        k_pos = torch.arange(n).expand(B, n).clone()
+        k_pos[0, int(q_pos[0, -1]) + 1:] = -1                           # row 0 has written less
+        k = rand_act(B, S_max, G, D, seed=2)[:, :n]
+        v = rand_act(B, S_max, G, D, seed=3)[:, :n]
+    q = rand_act(B, T, H, D, seed=4)
+    sinks = torch.randn(H, generator=g).to(DEV)
+    q_pos, k_pos = q_pos.to(DEV), k_pos.to(DEV)
+    close(kernels.sink_attention(q, k, v, sinks, q_pos, k_pos, window),
+          flint.sink_attention_ref(q, k, v, sinks, q_pos, k_pos, window))
+
+
 @pytest.mark.parametrize("B", [1, 3])
 @pytest.mark.parametrize("nvfp4", [False, True])
 def test_moe_experts_kernel(B, nvfp4):
