@@ -8,6 +8,8 @@
   against its reference in the interpreter, not yet used by the model: it awaits its GPU run, issue 5).
 - moe_experts: sigmoid top-k routing + gate/up + SwiGLU of the selected experts and the shared expert in one
   launch, then down + weighted combine + shared add in one launch.
+- experts: the routed experts of many tokens (prefill) as grouped GEMMs over tokens sorted by expert (tested in
+  the interpreter, not yet used by the model: it awaits its GPU run, issue 5).
 
 Weights are bf16 [N, K] or NVFP4 (flint.NVFP4: nibble plane [N, K/2], e4m3 scales [N, K/16], fp32 row scale),
 dequantized in registers (no FP4 tensor cores on SM90). Every product is exact in fp32 and sums accumulate in fp32,
@@ -690,3 +692,103 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
         C, I, S_W,
         A=top_k, NVFP4=nvfp4, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=warps)
     return out
+
+
+# -----------------------------------------------------------------------------
+# experts: the routed experts of many tokens (prefill) as two grouped GEMMs over tokens sorted by expert
+
+
+@triton.jit
+def _grouped_gate_up_kernel(
+    # pointers
+    x_ptr, tok_ptr, blk_expert_ptr, blk_start_ptr, blk_end_ptr, w_ptr, s_ptr, rs_ptr, act_ptr,
+    # sizes
+    N_TOK, C, I,
+    # meta-parameters
+    NVFP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Program (block, column block): up to BLOCK_M (token, slot) rows routed to one expert, gathered from x;
+    act = bf16(silu(g) * u) with g, u fp32 accumulators, stored in the sorted order."""
+    blk, nb = tl.program_id(0), tl.program_id(1)
+    e = tl.load(blk_expert_ptr + blk).to(tl.int64)
+    rows = tl.load(blk_start_ptr + blk) + tl.arange(0, BLOCK_M)
+    end = tl.load(blk_end_ptr + blk)
+    tok = tl.load(tok_ptr + rows, mask=rows < end, other=N_TOK)          # N_TOK: a masked row
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_bytes, row_scales = (C // 2, C // 16) if NVFP4 else (C, C)
+    wb, sb = w_ptr + e * (2 * I) * row_bytes, s_ptr + e * (2 * I) * row_scales
+    g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    g = _gemv(g, x_ptr, x_ptr, x_ptr, g, tok, N_TOK, C, wb, sb, offs_n, I, C, False, False, NVFP4, BLOCK_M,
+              BLOCK_K, True)
+    u = _gemv(u, x_ptr, x_ptr, x_ptr, u, tok, N_TOK, C, wb + I * row_bytes, sb + I * row_scales, offs_n, I, C,
+              False, False, NVFP4, BLOCK_M, BLOCK_K, True)
+    if NVFP4:
+        g *= _load_f32(rs_ptr + e * (2 * I) + offs_n, offs_n < I)[None, :]
+        u *= _load_f32(rs_ptr + e * (2 * I) + I + offs_n, offs_n < I)[None, :]
+    act = g / (1.0 + tl.exp(-g)) * u
+    tl.store(act_ptr + rows[:, None] * I + offs_n[None, :], _to_bf16(act),
+             mask=(rows[:, None] < end) & (offs_n[None, :] < I))
+
+
+@triton.jit
+def _grouped_down_kernel(
+    # pointers
+    act_ptr, blk_expert_ptr, blk_start_ptr, blk_end_ptr, w_ptr, s_ptr, rs_ptr, y_ptr,
+    # sizes
+    C, I,
+    # meta-parameters
+    NVFP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Program (block, column block): y = bf16(down_e act) for the block's sorted rows."""
+    blk, nb = tl.program_id(0), tl.program_id(1)
+    e = tl.load(blk_expert_ptr + blk).to(tl.int64)
+    rows = tl.load(blk_start_ptr + blk) + tl.arange(0, BLOCK_M)
+    end = tl.load(blk_end_ptr + blk)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_bytes, row_scales = (I // 2, I // 16) if NVFP4 else (I, I)
+    y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    y = _gemv(y, act_ptr, act_ptr, act_ptr, y, rows, end, I, w_ptr + e * C * row_bytes, s_ptr + e * C * row_scales,
+              offs_n, C, I, False, False, NVFP4, BLOCK_M, BLOCK_K, True)
+    if NVFP4:
+        y *= _load_f32(rs_ptr + e * C + offs_n, offs_n < C)[None, :]
+    tl.store(y_ptr + rows[:, None] * C + offs_n[None, :], _to_bf16(y),
+             mask=(rows[:, None] < end) & (offs_n[None, :] < C))
+
+
+def experts(x, weights, experts, gate_up, down):
+    """Routed experts of many tokens: x [N, C] bf16, weights/experts [N, A] -> [N, C] bf16 (see experts_ref).
+    The N * A (token, slot) rows are sorted by expert and cut into blocks of one expert each, so every expert's
+    weights are read once per block of up to BLOCK_M tokens; experts no token chose are not read."""
+    N, C = x.shape
+    A = experts.shape[1]
+    E, I = down.shape[0], down.shape[-1]
+    assert x.is_contiguous() and x.dtype == torch.bfloat16
+    wp, sp, rsp, nvfp4 = _weight_args(gate_up)
+    dwp, dsp, drsp, d_nvfp4 = _weight_args(down)
+    assert nvfp4 == d_nvfp4, "gate_up and down must share one weight format"
+    BLOCK_M, BLOCK_N, BLOCK_K = (16, 16, 64) if INTERPRET else (64, 64, 64)
+    flat = experts.flatten()
+    order = torch.argsort(flat, stable=True)                          # (token, slot) rows grouped by expert
+    tok = (order // A).to(torch.int32)
+    counts = torch.bincount(flat, minlength=E)
+    seg_end = counts.cumsum(0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M                        # per expert (0 for an unused one)
+    n_blocks = int(blocks.sum())                                      # (a host sync: prefill is not captured)
+    blk_expert = torch.repeat_interleave(torch.arange(E, device=x.device), blocks)
+    first = torch.repeat_interleave(blocks.cumsum(0) - blocks, blocks)
+    blk_start = (seg_end - counts)[blk_expert] + (torch.arange(n_blocks, device=x.device) - first) * BLOCK_M
+    blk_end = seg_end[blk_expert]
+    blk_start, blk_end = blk_start.to(torch.int32), blk_end.to(torch.int32)
+    act = torch.empty(N * A, I, device=x.device, dtype=torch.bfloat16)
+    _grouped_gate_up_kernel[(n_blocks, triton.cdiv(I, BLOCK_N))](
+        x, tok, blk_expert, blk_start, blk_end, wp, sp, rsp, act, N, C, I,
+        NVFP4=nvfp4, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
+    y = torch.empty(N * A, C, device=x.device, dtype=torch.bfloat16)
+    _grouped_down_kernel[(n_blocks, triton.cdiv(C, BLOCK_N))](
+        act, blk_expert, blk_start, blk_end, dwp, dsp, drsp, y, C, I,
+        NVFP4=nvfp4, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
+    y_tokens = torch.empty_like(y)
+    y_tokens[order] = y                                               # back to (token, slot) order
+    return (weights.float()[..., None] * y_tokens.view(N, A, C).float()).sum(1).to(x.dtype)
+

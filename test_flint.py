@@ -1188,6 +1188,21 @@ def test_moe_experts_kernel(B, nvfp4):
     close(got, want)
 
 
+@pytest.mark.parametrize("nvfp4", [False, True])
+def test_experts_grouped_kernel(nvfp4):
+    """Prefill experts as grouped GEMMs: 40 tokens x top-3 of 8 experts, one expert chosen by none, one by most
+    (more rows than a block), against the plain loop over experts."""
+    N, E, A, C, I = 40, 8, 3, 64, 32
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(N, E, generator=g)
+    logits[:, 5] = -9                                                   # nobody picks expert 5
+    logits[:35, 2] = 9                                                  # nearly everybody picks expert 2
+    weights, experts = flint.route_ref(logits.to(torch.bfloat16).to(DEV), A, True)
+    x = rand_act(N, C, seed=5)
+    gate_up, down = rand_weight(E, 2 * I, C, nvfp4=nvfp4, seed=1), rand_weight(E, C, I, nvfp4=nvfp4, seed=2)
+    close(kernels.experts(x, weights, experts, gate_up, down), flint.experts_ref(x, weights, experts, gate_up, down))
+
+
 def tiny_model(nvfp4=False, seed=0):
     cfg = flint.Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, moe_intermediate_size=32,
