@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 import flint  # noqa: E402
 import load  # noqa: E402
-from generate import prefill  # noqa: E402
+from generate import add_model_args, load_model, prefill  # noqa: E402
 
 HELP = """commands:
   /help                      this help
@@ -47,7 +47,6 @@ class Chat:
         self.messages = []        # user and assistant turns (the system prompt is kept apart)
         self.cached = []          # token ids whose keys and values are in the cache, at positions 0, 1, ...
         self.snapshot = None      # (ids, sliding rings, logits) right after the last prefill: /regen and rewinds
-        self.step = None
         self.new_step()
 
     def new_step(self):
@@ -110,7 +109,8 @@ class Chat:
         ids = self.tok.encode(prompt)
         logits = self.start(ids)
         tok = self.step.sample(logits)                               # [1]
-        pos = torch.tensor([len(ids)], device=self.model.device)
+        at = len(ids)                                                # position of the token to feed next
+        pos = torch.tensor([at], device=self.model.device)
         decoder, new, stop, t_first = load.StreamDecoder(self.tok), [], None, None
         thinking = _opens_thinking(prompt)
         out.begin(thinking)
@@ -124,7 +124,7 @@ class Chat:
             if len(new) >= self.settings["max_tokens"]:
                 stop = "max_tokens reached"
                 break
-            if int(pos) + 1 >= self.cache.max_seq_len:
+            if at + 1 >= self.cache.max_seq_len:
                 stop = "the context is full: /clear starts a new conversation"
                 break
             if ctrl_c():
@@ -133,6 +133,7 @@ class Chat:
             tok = self.step(tok, pos).clone()
             self.cached.append(t)                                    # its keys and values are cached now
             pos += 1
+            at += 1
         t_end = time.perf_counter()
         out.write(decoder.flush())
         out.end()
@@ -397,10 +398,7 @@ def turn(chat, out, color):
 
 
 def main(args):
-    torch.manual_seed(args.seed)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    ckpt = load.load(args.checkpoint, device, dtype)
+    ckpt, sampling = load_model(args)
     if ckpt.chat_template is None:
         raise ValueError(f"checkpoint {ckpt.name} has no chat template (chat_template.jinja, tokenizer_config.json "
                          f"or the GGUF's tokenizer.chat_template); use generate.py for raw prompts")
@@ -409,14 +407,12 @@ def main(args):
     if not 1 < max_seq_len <= cfg.max_position_embeddings:
         raise ValueError(f"--max-seq-len {max_seq_len}: expected 2 to {cfg.max_position_embeddings} (the model's "
                          f"context)")
-    settings = {k: getattr(args, k) if getattr(args, k) is not None else ckpt.sampling[k]
-                for k in ("temperature", "top_p", "top_k")}
-    settings["max_tokens"] = args.max_tokens
+    settings = {k: sampling[k] for k in ("temperature", "top_p", "top_k")} | {"max_tokens": args.max_tokens}
     try:
         chat = Chat(ckpt, max_seq_len, settings, graph=not args.no_graph, system=args.system)
     except torch.OutOfMemoryError:
-        raise ValueError(f"the KV cache for a {max_seq_len}-token context does not fit in {device} memory next to "
-                         f"the model; lower --max-seq-len") from None
+        raise ValueError(f"the KV cache for a {max_seq_len}-token context does not fit in {ckpt.model.device} memory "
+                         f"next to the model; lower --max-seq-len") from None
     color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
     out = Printer(sys.stdout, args.hide_thinking, color)
     history = Path(args.history).expanduser() if args.history else None
@@ -444,20 +440,12 @@ def main(args):
 
 def parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("-c", "--checkpoint", default="RecursiveSI/flint",
-                   help="checkpoint directory, .gguf file, HF repo id, or 'tiny' (random weights, offline)")
+    add_model_args(p)
     p.add_argument("--system", help="system prompt")
     p.add_argument("-n", "--max-tokens", type=int, default=4096, help="longest reply, in tokens")
-    p.add_argument("-t", "--temperature", type=float, help="0 = greedy (default: generation_config.json, or 1.0)")
-    p.add_argument("--top-k", type=int, help="0 = off (default: generation_config.json, or 20)")
-    p.add_argument("--top-p", type=float, help="1.0 = off (default: generation_config.json, or 0.95)")
     p.add_argument("--hide-thinking", action="store_true", help="do not show the <think> reasoning")
     p.add_argument("--max-seq-len", type=int, help="context length of the conversation (default: the model's)")
     p.add_argument("--history", default="~/.flint_chat_history", help="input history file ('' = none)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", help="cuda when available, else cpu")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], help="bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--no-graph", action="store_true", help="decode eagerly instead of replaying a CUDA graph")
     return p
 
 

@@ -56,15 +56,22 @@ def read_prompts(args):
     return prompts
 
 
-def main(args):
+def load_model(args):
+    """The checkpoint and the sampling settings that the shared flags (add_model_args) ask for; seeds torch."""
     torch.manual_seed(args.seed)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    prompts = read_prompts(args)
     ckpt = load.load(args.checkpoint, device, dtype)
-    model, tok, cfg = ckpt.model, ckpt.tokenizer, ckpt.model.cfg
     sampling = {k: getattr(args, k) if getattr(args, k) is not None else ckpt.sampling[k]
                 for k in ("temperature", "top_k", "top_p")}
+    return ckpt, sampling
+
+
+def main(args):
+    prompts = read_prompts(args)
+    ckpt, sampling = load_model(args)
+    model, tok, cfg = ckpt.model, ckpt.tokenizer, ckpt.model.cfg
+    device, dtype = model.device, model.dtype
     if args.chat:
         if ckpt.chat_template is None:
             raise ValueError(f"--chat: checkpoint {ckpt.name} has no chat template (chat_template.jinja or "
@@ -127,23 +134,28 @@ def main(args):
           file=sys.stderr)
 
 
-def parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def add_model_args(p):
+    """The flags generate.py and chat.py share: checkpoint, sampling, seed, device, dtype, graphs."""
     p.add_argument("-c", "--checkpoint", default="RecursiveSI/flint",
-                   help="checkpoint directory, HF repo id, or 'tiny' (random weights, offline)")
-    p.add_argument("-p", "--prompt", default="Hello, my name is", help="prompt text, or - to read stdin")
-    p.add_argument("--prompt-file", help="file with one prompt per line (decoded together as a batch); - = stdin")
-    p.add_argument("-n", "--max-new-tokens", type=int, default=200)
+                   help="checkpoint directory, .gguf file, HF repo id, or 'tiny' (random weights, offline)")
     p.add_argument("-t", "--temperature", type=float, help="0 = greedy (default: generation_config.json, or 1.0)")
     p.add_argument("--top-k", type=int, help="0 = off (default: generation_config.json, or 20)")
     p.add_argument("--top-p", type=float, help="1.0 = off (default: generation_config.json, or 0.95)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", help="cuda when available, else cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--no-graph", action="store_true", help="decode eagerly instead of replaying a CUDA graph")
+
+
+def parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_model_args(p)
+    p.add_argument("-p", "--prompt", default="Hello, my name is", help="prompt text, or - to read stdin")
+    p.add_argument("--prompt-file", help="file with one prompt per line (decoded together as a batch); - = stdin")
+    p.add_argument("-n", "--max-new-tokens", type=int, default=200)
     p.add_argument("--max-seq-len", type=int, help="KV cache length (default: the model's context)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object (ids, text, stats) instead of text")
-    p.add_argument("--no-graph", action="store_true", help="decode eagerly instead of replaying a CUDA graph")
     return p
 
 
