@@ -1445,8 +1445,16 @@ class Terminal:
         out = self.expect(then)
         return out + (self.expect(prompt) if prompt else "")
 
-    def exit_status(self):
-        return os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+    def exit_status(self, timeout=60):
+        """chat.py's exit code; killed and failed if it has not exited within timeout seconds."""
+        deadline = time.time() + timeout
+        while (done := os.waitpid(self.pid, os.WNOHANG))[0] == 0:
+            if time.time() > deadline:
+                os.kill(self.pid, 9)
+                os.waitpid(self.pid, 0)
+                raise AssertionError(f"chat.py did not exit; the terminal shows:\n{self.seen[-3000:]}")
+            time.sleep(0.05)
+        return os.waitstatus_to_exitcode(done[1])
 
 
 def test_chat_session_on_a_terminal(tmp_path):
@@ -1486,7 +1494,8 @@ def test_chat_session_on_a_terminal(tmp_path):
     t.line("/bogus", then=r"unknown command /bogus")
     time.sleep(0.5)             # (a Ctrl-C between readline's prompt and its wait for keys is seen at the next key)
     os.write(t.fd, b"\x03")
-    t.expect(r"Ctrl-D or /exit quits")
+    t.expect(r"Ctrl-D or /exit quits[^>]*> ")
+    time.sleep(0.5)                                                  # (as above: let readline take the keys)
     os.write(t.fd, b"\x04")
     assert t.exit_status() == 0
     assert "hello" in history.read_text()
