@@ -1,21 +1,26 @@
-"""Decode benchmark: the full-size Flint with random weights built on the GPU (no checkpoint or disk needed).
+"""Decode and prefill benchmark: the full-size Flint with random weights built on the GPU (no checkpoint or disk).
 
-python bench.py                      # BF16 and NVFP4, batch 1/8/64, context 512 and 32K, fast vs reference path
+python bench.py                      # BF16 and NVFP4: decode at batch 1/8/64, context 512 and 32K; prefill of
+                                     # 512, 8K, 32K and 128K-token prompts; fast vs reference path
 
-Measures the two bandwidth floors first (device copy, large GEMV read), then per configuration the median time of
-CUDA-graph replays of one decode step (fast path) or of eager steps (plain-torch reference path), and reports
-tok/s, ms per step, the bytes a step must read (active weights + KV cache), achieved GB/s and its share of the
-measured floor. Prints a markdown table last.
+Decode: measures the two bandwidth floors first (device copy, large GEMV read), then per configuration the median
+time of CUDA-graph replays of one decode step (fast path) or of eager steps (plain-torch reference path), and
+reports tok/s, ms per step, the bytes a step must read (active weights + KV cache), achieved GB/s and its share of
+the measured floor. Prefill: time to first token of one prompt (chunked prefill + sampling the first token; the
+fast path after a warm-up that compiles its kernels), prompt tok/s, and peak GPU memory. Prints markdown tables
+last.
 """
 import argparse
 import datetime
 import statistics
 import sys
+import time
 
 import torch
 
 import flint
 import load
+from generate import PREFILL_CHUNK, prefill
 
 def floors(dev):
     """GB/s of a device-to-device copy (read + write) and of a bf16 GEMV that reads an lm_head-sized weight."""
@@ -86,12 +91,44 @@ def bench_config(model, cfg, weights, B, ctx, args, gemv_bw):
     return rows
 
 
+def bench_prefill(model, cfg, weights, n, args):
+    """Time to first token of an n-token prompt on each path (the reference only up to --reference-max tokens)."""
+    dev = model.device
+    ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    rows = []
+    for path in args.paths:
+        if path == "reference" and n > args.reference_max:
+            print(f"  {weights} prefill {n} reference: skipped (over --reference-max {args.reference_max})",
+                  file=sys.stderr)
+            continue
+        model.prefill_ops = flint.prefill_ops() if path == "fast" else flint.REFERENCE_OPS
+        cache = flint.KVCache(cfg, 1, n, torch.bfloat16, dev)
+        if path == "fast":                                              # compile: a whole chunk and the last one
+            for m in {min(n, args.chunk), n % args.chunk}:
+                if m:
+                    prefill(model, cache, ids[:m], chunk_size=args.chunk)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        logits = prefill(model, cache, ids, chunk_size=args.chunk)
+        int(logits.argmax())                                            # the first token, on the host
+        t = time.perf_counter() - t
+        row = dict(weights=weights, path=path, prompt=n, ttft=t, tok_s=n / t,
+                   peak=torch.cuda.max_memory_allocated() / 2**30)
+        print("  prefill " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+              file=sys.stderr)
+        rows.append(row)
+        del cache, logits
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(args):
     dev = torch.device("cuda")
     copy_bw, gemv_bw = floors(dev)
     print(f"floors: device copy {copy_bw:.0f} GB/s, bf16 GEMV read {gemv_bw:.0f} GB/s", file=sys.stderr)
     cfg = flint.Config(rope_theta=10000.0)
-    rows = []
+    rows, prefill_rows = [], []
     for weights in args.weights:
         nvfp4 = weights == "nvfp4"
         names = [n for n, _ in flint.Transformer(cfg, torch.bfloat16, "meta").weights()
@@ -105,6 +142,12 @@ def main(args):
                 except torch.OutOfMemoryError:
                     print(f"{weights} batch {B} context {ctx}: out of memory", file=sys.stderr)
                 torch.cuda.empty_cache()
+        for n in args.prefill:
+            try:
+                prefill_rows += bench_prefill(model, cfg, weights, n, args)
+            except torch.OutOfMemoryError:
+                print(f"{weights} prefill {n}: out of memory", file=sys.stderr)
+            torch.cuda.empty_cache()
         del model
         torch.cuda.empty_cache()
     print(f"\n{torch.cuda.get_device_name()}, {datetime.date.today()}, torch {torch.__version__}; floors: copy "
@@ -114,13 +157,25 @@ def main(args):
     for r in rows:
         print(f"| {r['weights']} | {r['path']} | {r['batch']} | {r['context']} | {r['tok_s']:.1f} | {r['ms']:.2f} | "
               f"{r['gb']:.2f} | {r['gbs']:.0f} | {r['floor']:.0f}% |")
+    if prefill_rows:
+        print(f"\nPrefill, one prompt, chunks of {args.chunk} tokens:\n")
+        print("| weights | path | prompt tokens | time to first token (s) | prompt tok/s | peak GPU memory (GiB) |")
+        print("|---|---|---|---|---|---|")
+        for r in prefill_rows:
+            print(f"| {r['weights']} | {r['path']} | {r['prompt']} | {r['ttft']:.3f} | {r['tok_s']:.0f} | "
+                  f"{r['peak']:.1f} |")
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--weights", nargs="+", default=["bf16", "nvfp4"], choices=["bf16", "nvfp4"])
-    p.add_argument("--batch", nargs="+", type=int, default=[1, 8, 64])
+    p.add_argument("--batch", nargs="*", type=int, default=[1, 8, 64], help="decode batch sizes (none: skip decode)")
     p.add_argument("--context", nargs="+", type=int, default=[512, 32768])
     p.add_argument("--paths", nargs="+", default=["fast", "reference"], choices=["fast", "reference"])
     p.add_argument("--iters", type=int, default=50, help="timed graph replays per configuration")
+    p.add_argument("--prefill", nargs="*", type=int, default=[512, 8192, 32768, 131072],
+                   help="prompt lengths for the prefill benchmark (none: skip it)")
+    p.add_argument("--chunk", type=int, default=PREFILL_CHUNK, help="prefill chunk size")
+    p.add_argument("--reference-max", type=int, default=8192,
+                   help="longest prompt to prefill on the reference path (about 700 tok/s)")
     main(p.parse_args())

@@ -173,9 +173,13 @@ def sink_attention_ref(q, k, v, sinks, q_pos, k_pos, window):
     Key j is visible to query i iff 0 <= k_pos[j] <= q_pos[i] and q_pos[i] - k_pos[j] < window. The sink is one
     extra logit per head, in the units of the scaled score, that adds to the softmax denominator and attends to
     nothing. Serving numerics: fp32 scores and softmax, unnormalized P rounded to the model dtype for P @ V with an
-    fp32 row sum, and the divide last."""
+    fp32 row sum, and the divide last. Queries go in blocks that keep the fp32 scores within SCORES_BUDGET."""
     B, T, H, D = q.shape
     G = k.shape[2]
+    n = max(1, SCORES_BUDGET // (B * H * k.shape[1]))                   # queries per block
+    if T > n:
+        return torch.cat([sink_attention_ref(q[:, i:i + n], k, v, sinks, q_pos[:, i:i + n], k_pos, window)
+                          for i in range(0, T, n)], 1)
     qf = q.float().view(B, T, G, H // G, D)                                # query head h reads kv head h // (H/G)
     s = torch.einsum("btgrd,bsgd->bgrts", qf, k.float()) * D ** -0.5     # [B, G, H/G, T, S]
     dist = q_pos[:, :, None] - k_pos[:, None, :]                         # [B, T, S]
@@ -330,13 +334,47 @@ def weight_factory(dtype, device, nvfp4=()):
 
 
 REFERENCE_OPS = SimpleNamespace(add_norm_linear=add_norm_linear_ref, add_norm_swiglu=add_norm_swiglu_ref,
-                                linear=linear_ref, attention_decode=attention_decode_ref, moe_experts=moe_experts_ref)
+                                linear=linear_ref, attention_decode=attention_decode_ref, moe_experts=moe_experts_ref,
+                                sink_attention=sink_attention_ref)
 
 
 def kernel_ops():
     """The Triton twins of REFERENCE_OPS (same names and signatures), for decode steps of up to 64 sequences."""
     import kernels
     return SimpleNamespace(**{name: getattr(kernels, name) for name in vars(REFERENCE_OPS)})
+
+
+def prefill_ops():
+    """Ops for prompt chunks on the GPU, same names and signatures: the reference ops recomposed from cuBLAS GEMMs
+    (bf16 weights), Triton GEMMs (NVFP4 weights, dequantized in the main loop), torch norms and routing, Triton
+    flash attention with sinks and the routed experts as grouped GEMMs. A chunk's last rows (the logits) go
+    through the decode kernels."""
+    import kernels
+
+    def linear(x, w, f32=False):
+        if isinstance(w, NVFP4):
+            return kernels.matmul(x, w, f32)
+        return linear_f32(x, w) if f32 else F.linear(x, w)
+
+    def add_norm_linear(x, dx, norm_w, w, eps, f32=False):
+        if x.shape[0] <= 64:
+            return kernels.add_norm_linear(x, dx, norm_w, w, eps, f32)
+        x, h = add_rms_norm_ref(x, dx, norm_w, eps)
+        return x, h, linear(h, w, f32)
+
+    def add_norm_swiglu(x, dx, norm_w, gate_up, eps):
+        x, h = add_rms_norm_ref(x, dx, norm_w, eps)
+        return x, swiglu_ref(linear(h, gate_up))
+
+    def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, norm_topk_prob):
+        weights, experts = route_ref(logits, top_k, norm_topk_prob)
+        routed = kernels.experts(h, weights, experts, gate_up, down)
+        shared = linear(swiglu_ref(linear(h, shared_gate_up)), shared_down)
+        return (routed.float() + shared.float()).to(h.dtype)
+
+    return SimpleNamespace(add_norm_linear=add_norm_linear, add_norm_swiglu=add_norm_swiglu, linear=linear,
+                           attention_decode=attention_decode_ref, moe_experts=moe_experts,
+                           sink_attention=kernels.sink_attention)
 
 
 class Attention(nn.Module):
@@ -361,11 +399,11 @@ class Attention(nn.Module):
             o = ops.attention_decode(qkv, self.q_norm, self.k_norm, self.sinks, *rope, cache.k[self.layer],
                                      cache.v[self.layer], pos[:, 0], self.window, self.eps)
         else:
-            o = self.prefill(qkv, pos, cache, rope)
+            o = self.prefill(qkv, pos, cache, rope, ops)
         return x, ops.linear(o, self.o)
 
-    def prefill(self, qkv, pos, cache, rope):
-        """T new tokens per sequence (reference ops): qkv [B*T, (H+2G)D] -> o [B*T, H*D]."""
+    def prefill(self, qkv, pos, cache, rope, ops):
+        """T new tokens per sequence: qkv [B*T, (H+2G)D] -> o [B*T, H*D]."""
         B, T = pos.shape
         H, G, D = self.n_heads, self.n_kv_heads, self.head_dim
         q, k, v = qkv.view(B, T, H + 2 * G, D).split([H, G, G], dim=2)  # [B, T, n, D]
@@ -377,10 +415,7 @@ class Attention(nn.Module):
             ks, vs, k_pos = k, v, pos
         else:
             ks, vs, k_pos = cache.store(self.layer, k, v, pos)
-        # queries in blocks, so that the fp32 scores stay within SCORES_BUDGET elements at long context
-        n = max(1, SCORES_BUDGET // (B * H * ks.shape[1]))
-        o = torch.cat([sink_attention_ref(q[:, i:i + n], ks, vs, self.sinks, pos[:, i:i + n], k_pos, self.window)
-                       for i in range(0, T, n)], 1)                      # [B, T, H, D]
+        o = ops.sink_attention(q.contiguous(), ks, vs, self.sinks, pos, k_pos, self.window)  # [B, T, H, D]
         return o.reshape(B * T, H * D)
 
 
@@ -437,8 +472,8 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, cfg, dtype=torch.bfloat16, device="cpu", nvfp4=()):
         """Empty weights of `dtype` on `device`; the flint weight names in `nvfp4` are NVFP4 (see load.py).
-        Decode steps use the Triton kernels on CUDA in bf16, the reference ops otherwise (set decode_ops to
-        REFERENCE_OPS to compare)."""
+        On CUDA in bf16, decode steps use the Triton kernels and prompt chunks prefill_ops; elsewhere both use the
+        reference ops (set decode_ops and prefill_ops to REFERENCE_OPS to compare)."""
         super().__init__()
         self.cfg = cfg
         V, C = cfg.vocab_size, cfg.hidden_size
@@ -453,6 +488,7 @@ class Transformer(nn.Module):
         fast = (torch.device(device).type == "cuda" and dtype == torch.bfloat16 and cfg.head_dim >= 32
                 and cfg.num_experts & (cfg.num_experts - 1) == 0)
         self.decode_ops = kernel_ops() if fast else REFERENCE_OPS
+        self.prefill_ops = prefill_ops() if fast else REFERENCE_OPS
 
     @property
     def dtype(self):
@@ -477,7 +513,7 @@ class Transformer(nn.Module):
         without one, the T tokens attend only to each other (a full recompute). Single-token steps (T = 1) use
         decode_ops and do no host sync, so they can be captured in a CUDA graph."""
         B, T = ids.shape
-        ops = self.decode_ops if T == 1 else REFERENCE_OPS
+        ops = self.decode_ops if T == 1 else self.prefill_ops
         n = cache.max_seq_len if cache is not None else int(pos.max()) + 1
         if self.rope[0].shape[0] < n:                                    # fp32 cos/sin, built once per length
             self.rope = rope_table(self.cfg, n, self.device)
@@ -539,7 +575,8 @@ class KVCache:
 
     def store(self, layer, k, v, pos):
         """Store T new k, v [B, T, G, D] at positions pos [B, T] (in order, following what is cached); return the
-        keys, values [B, S', G, D] and positions [B, S'] that these T queries attend over."""
+        keys, values [B, S', G, D] and positions [B, S'] that these T queries attend over, in position order:
+        k_pos[b, i] = k_pos[b, 0] + i (negative: never written), which lets the prefill kernel skip keys."""
         kc, vc = self.k[layer], self.v[layer]
         B, S = kc.shape[:2]
         rows = torch.arange(B, device=pos.device)[:, None]
@@ -548,9 +585,11 @@ class KVCache:
             n = int(pos[:, -1].max()) + 1
             return kc[:, :n], vc[:, :n], slot_positions(pos[:, -1:], S)[:, :n]
         # Sliding ring: a query needs up to S - 1 earlier keys that this chunk's own writes may overwrite, so
-        # attend over the ring as it was plus the chunk, then keep the chunk's last S tokens.
-        ks, vs = torch.cat([kc, k], 1), torch.cat([vc, v], 1)
-        k_pos = torch.cat([slot_positions(pos[:, :1] - 1, S), pos], 1)
+        # attend over the ring as it was (oldest first: positions p - S .. p - 1 sit in slots (p - S .. p - 1) % S)
+        # plus the chunk, then keep the chunk's last S tokens.
+        ring_pos = pos[:, :1] - S + torch.arange(S, device=pos.device)   # [B, S]
+        ks, vs = torch.cat([kc[rows, ring_pos % S], k], 1), torch.cat([vc[rows, ring_pos % S], v], 1)
+        k_pos = torch.cat([ring_pos, pos], 1)
         kc[rows, pos[:, -S:] % S], vc[rows, pos[:, -S:] % S] = k[:, -S:], v[:, -S:]
         return ks, vs, k_pos
 

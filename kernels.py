@@ -4,12 +4,12 @@
 - linear: GEMV (o_proj, dense down).
 - attention_decode: q/k RMSNorm + RoPE + KV-cache write + attention with learned sinks, split over the keys
   (flash-decoding, Dao et al. 2023) so that one sequence fills the GPU, then a combine kernel.
-- sink_attention: prefill attention with sinks over keys named by their positions (flash attention; checked
-  against its reference in the interpreter, not yet used by the model: it awaits its GPU run, issue 5).
 - moe_experts: sigmoid top-k routing + gate/up + SwiGLU of the selected experts and the shared expert in one
   launch, then down + weighted combine + shared add in one launch.
-- experts: the routed experts of many tokens (prefill) as grouped GEMMs over tokens sorted by expert (tested in
-  the interpreter, not yet used by the model: it awaits its GPU run, issue 5).
+Prompt chunks (flint.prefill_ops):
+- sink_attention: flash attention with sinks over keys named by their positions, causal and sliding-window.
+- experts: the routed experts of many tokens as grouped GEMMs over tokens sorted by expert.
+- matmul: GEMM for NVFP4 weights (bf16 ones go to cuBLAS).
 
 Weights are bf16 [N, K] or NVFP4 (flint.NVFP4: nibble plane [N, K/2], e4m3 scales [N, K/16], fp32 row scale),
 dequantized in registers (no FP4 tensor cores on SM90). Every product is exact in fp32 and sums accumulate in fp32,
@@ -494,7 +494,14 @@ def _sink_attention_kernel(
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, D], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    for s0 in range(0, S, BLOCK_N):
+    # keys come in position order (k_pos[i] = k_pos[0] + i): only those from the block's first query's window
+    # start to its last query can be visible
+    base = tl.load(kpos_ptr + b * stride_kpb)
+    hi = tl.minimum(tl.max(tl.where(rmask, qp, -1), 0) - base + 1, S)
+    lo = 0
+    if WINDOW > 0:
+        lo = tl.maximum(tl.min(tl.where(rmask, qp, 2**30), 0) - WINDOW + 1 - base, 0) // BLOCK_N * BLOCK_N
+    for s0 in range(lo, hi, BLOCK_N):
         s = s0 + offs_n
         smask = s < S
         kp = tl.load(kpos_ptr + b * stride_kpb + s, mask=smask, other=-1)
@@ -530,7 +537,9 @@ def _sink_attention_kernel(
 
 def sink_attention(q, k, v, sinks, q_pos, k_pos, window):
     """q [B, T, H, D] bf16; k, v [B, S, G, D] bf16 (rows of a cache may be strided); sinks [H] fp32; q_pos
-    [B, T], k_pos [B, S] (-1: empty slot); window 0 = full. Returns o [B, T, H, D] bf16 (see sink_attention_ref)."""
+    [B, T], k_pos [B, S] (negative: empty slot); window 0 = full. Returns o [B, T, H, D] bf16 (see
+    sink_attention_ref). Keys must come in position order, k_pos[b, i] = k_pos[b, 0] + i wherever visible (as
+    KVCache.store returns them): each query block reads only the keys its queries can see."""
     B, T, H, D = q.shape
     S, G = k.shape[1], k.shape[2]
     assert q.is_contiguous() and q.dtype == k.dtype == v.dtype == torch.bfloat16 and sinks.dtype == torch.float32
@@ -699,67 +708,179 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
 
 
 @triton.jit
-def _grouped_gate_up_kernel(
-    # pointers
-    x_ptr, tok_ptr, blk_expert_ptr, blk_start_ptr, blk_end_ptr, w_ptr, s_ptr, rs_ptr, act_ptr,
-    # sizes
-    N_TOK, C, I,
-    # meta-parameters
-    NVFP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """Program (block, column block): up to BLOCK_M (token, slot) rows routed to one expert, gathered from x;
-    act = bf16(silu(g) * u) with g, u fp32 accumulators, stored in the sorted order."""
-    blk, nb = tl.program_id(0), tl.program_id(1)
-    e = tl.load(blk_expert_ptr + blk).to(tl.int64)
-    rows = tl.load(blk_start_ptr + blk) + tl.arange(0, BLOCK_M)
-    end = tl.load(blk_end_ptr + blk)
-    tok = tl.load(tok_ptr + rows, mask=rows < end, other=N_TOK)          # N_TOK: a masked row
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_bytes, row_scales = (C // 2, C // 16) if NVFP4 else (C, C)
-    wb, sb = w_ptr + e * (2 * I) * row_bytes, s_ptr + e * (2 * I) * row_scales
-    g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    g = _gemv(g, x_ptr, x_ptr, x_ptr, g, tok, N_TOK, C, wb, sb, offs_n, I, C, False, False, NVFP4, BLOCK_M,
-              BLOCK_K, True)
-    u = _gemv(u, x_ptr, x_ptr, x_ptr, u, tok, N_TOK, C, wb + I * row_bytes, sb + I * row_scales, offs_n, I, C,
-              False, False, NVFP4, BLOCK_M, BLOCK_K, True)
-    if NVFP4:
-        g *= _load_f32(rs_ptr + e * (2 * I) + offs_n, offs_n < I)[None, :]
-        u *= _load_f32(rs_ptr + e * (2 * I) + I + offs_n, offs_n < I)[None, :]
-    act = g / (1.0 + tl.exp(-g)) * u
-    tl.store(act_ptr + rows[:, None] * I + offs_n[None, :], _to_bf16(act),
-             mask=(rows[:, None] < end) & (offs_n[None, :] < I))
+def _mma(acc, x, w):
+    """acc[m, n] += sum_k x[m, k] * w[n, k] on tensor cores (bf16 tiles, fp32 accumulation)."""
+    if INTERPRET_DOT:
+        return acc + tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    return tl.dot(x, tl.trans(w), acc)
 
 
 @triton.jit
-def _grouped_down_kernel(
+def _weight_tile(w_ptr, s_ptr, offs_n, k0, K, NVFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns k0 .. k0 + BLOCK_K of weight rows offs_n, bf16 [BLOCK_N, BLOCK_K]: NVFP4 dequantized here, in the
+    GEMM main loop (codes e2m1 x e4m3 scale are exact in bf16; the row scale goes on the accumulator)."""
+    if NVFP4:
+        byte = tl.load(w_ptr + offs_n[:, None] * (K // 2) + k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :])
+        sc = tl.load(s_ptr + offs_n[:, None] * (K // 16) + k0 // 16 + tl.arange(0, BLOCK_K // 16)[None, :])
+        w = tl.join(_e2m1(byte & 15), _e2m1(byte >> 4))                 # [BLOCK_N, BLOCK_K / 2, 2]: 2j, 2j + 1
+        w = tl.reshape(w, [BLOCK_N, BLOCK_K // 16, 16]) * (sc.to(tl.float32) * 16384.0)[:, :, None]
+        w = tl.reshape(w, [BLOCK_N, BLOCK_K]).to(tl.bfloat16)
+    else:
+        w = tl.load(w_ptr + offs_n[:, None] * K + k0 + tl.arange(0, BLOCK_K)[None, :])
+    return w
+
+
+@triton.jit
+def _grouped_block(blk_expert_ptr, blk_start_ptr, blk_end_ptr, blk, BLOCK_M: tl.constexpr):
+    """Expert, sorted rows [BLOCK_M] and end of block blk (expert -1: a spare block, nothing to do)."""
+    e = tl.load(blk_expert_ptr + blk)
+    start, end = tl.load(blk_start_ptr + blk), tl.load(blk_end_ptr + blk)
+    return e, start + tl.arange(0, BLOCK_M), end
+
+
+@triton.jit
+def _grouped_gate_up_kernel(
     # pointers
-    act_ptr, blk_expert_ptr, blk_start_ptr, blk_end_ptr, w_ptr, s_ptr, rs_ptr, y_ptr,
+    x_ptr, tok_ptr, blk_expert_ptr, blk_start_ptr, blk_end_ptr, w_ptr, s_ptr, rs_ptr, act_ptr,
     # sizes
     C, I,
     # meta-parameters
     NVFP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Program (block, column block): y = bf16(down_e act) for the block's sorted rows."""
-    blk, nb = tl.program_id(0), tl.program_id(1)
-    e = tl.load(blk_expert_ptr + blk).to(tl.int64)
-    rows = tl.load(blk_start_ptr + blk) + tl.arange(0, BLOCK_M)
-    end = tl.load(blk_end_ptr + blk)
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_bytes, row_scales = (I // 2, I // 16) if NVFP4 else (I, I)
-    y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    y = _gemv(y, act_ptr, act_ptr, act_ptr, y, rows, end, I, w_ptr + e * C * row_bytes, s_ptr + e * C * row_scales,
-              offs_n, C, I, False, False, NVFP4, BLOCK_M, BLOCK_K, True)
+    """Program (block, column block): act = bf16(silu(g) * u) of up to BLOCK_M sorted (token, slot) rows routed
+    to one expert, their x rows gathered in the main loop; g, u stay fp32 accumulators."""
+    expert, rows, end = _grouped_block(blk_expert_ptr, blk_start_ptr, blk_end_ptr, tl.program_id(0), BLOCK_M)
+    if expert >= 0:
+        e = expert.to(tl.int64)
+        tok = tl.load(tok_ptr + rows, mask=rows < end, other=0).to(tl.int64)   # past the end: any valid row
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        row_bytes, row_scales = (C // 2, C // 16) if NVFP4 else (C, C)
+        wg, sg = w_ptr + e * (2 * I) * row_bytes, s_ptr + e * (2 * I) * row_scales
+        wu, su = wg + I * row_bytes, sg + I * row_scales
+        g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, C, BLOCK_K):
+            x = tl.load(x_ptr + tok[:, None] * C + k0 + offs_k[None, :])
+            g = _mma(g, x, _weight_tile(wg, sg, offs_n, k0, C, NVFP4, BLOCK_N, BLOCK_K))
+            u = _mma(u, x, _weight_tile(wu, su, offs_n, k0, C, NVFP4, BLOCK_N, BLOCK_K))
+        if NVFP4:
+            g *= tl.load(rs_ptr + e * (2 * I) + offs_n)[None, :]
+            u *= tl.load(rs_ptr + e * (2 * I) + I + offs_n)[None, :]
+        act = g / (1.0 + tl.exp(-g)) * u
+        tl.store(act_ptr + rows[:, None] * I + offs_n[None, :], _to_bf16(act), mask=(rows < end)[:, None])
+
+
+@triton.jit
+def _grouped_down_kernel(
+    # pointers
+    act_ptr, dst_ptr, blk_expert_ptr, blk_start_ptr, blk_end_ptr, w_ptr, s_ptr, rs_ptr, y_ptr,
+    # sizes
+    C, I,
+    # meta-parameters
+    NVFP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Program (block, column block): y_e = bf16(down_e act) of the block's sorted rows, stored at their
+    (token, slot) row dst."""
+    expert, rows, end = _grouped_block(blk_expert_ptr, blk_start_ptr, blk_end_ptr, tl.program_id(0), BLOCK_M)
+    if expert >= 0:
+        e = expert.to(tl.int64)
+        src = tl.where(rows < end, rows, end - 1).to(tl.int64)          # past the end: the block's last row
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        row_bytes, row_scales = (I // 2, I // 16) if NVFP4 else (I, I)
+        wd, sd = w_ptr + e * C * row_bytes, s_ptr + e * C * row_scales
+        y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            a = tl.load(act_ptr + src[:, None] * I + k0 + offs_k[None, :])
+            y = _mma(y, a, _weight_tile(wd, sd, offs_n, k0, I, NVFP4, BLOCK_N, BLOCK_K))
+        if NVFP4:
+            y *= tl.load(rs_ptr + e * C + offs_n)[None, :]
+        dst = tl.load(dst_ptr + rows, mask=rows < end, other=0).to(tl.int64)
+        tl.store(y_ptr + dst[:, None] * C + offs_n[None, :], _to_bf16(y), mask=(rows < end)[:, None])
+
+
+@triton.jit
+def _matmul_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, y_ptr, M, N, K,
+                   NVFP4: tl.constexpr, OUT_F32: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (row block, column block): y = x @ W^T, W bf16 or NVFP4 (dequantized in the main loop)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    src = tl.minimum(rows, M - 1).to(tl.int64)                        # past the end: the last row
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.minimum(offs_n, N - 1)                                  # past the end: the last weight row
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + src[:, None] * K + k0 + offs_k[None, :])
+        acc = _mma(acc, x, _weight_tile(w_ptr, s_ptr, cols, k0, K, NVFP4, BLOCK_N, BLOCK_K))
     if NVFP4:
-        y *= _load_f32(rs_ptr + e * C + offs_n, offs_n < C)[None, :]
-    tl.store(y_ptr + rows[:, None] * C + offs_n[None, :], _to_bf16(y),
-             mask=(rows[:, None] < end) & (offs_n[None, :] < C))
+        acc *= tl.load(rs_ptr + cols)[None, :]
+    y = acc if OUT_F32 else _to_bf16(acc)
+    tl.store(y_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :], y,
+             mask=(rows < M)[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _combine_kernel(y_ptr, w_ptr, out_ptr, C, A: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (column block, token t): out[t] = bf16(sum_a w[t, a] * y[t, a]) summed in fp32."""
+    offs = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    t = tl.program_id(1).to(tl.int64)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for a in range(A):
+        acc += tl.load(w_ptr + t * A + a).to(tl.float32) * tl.load(y_ptr + (t * A + a) * C + offs).to(tl.float32)
+    tl.store(out_ptr + t * C + offs, _to_bf16(acc))
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the grouped GEMMs, for bf16 and NVFP4 weights; measured
+# on an H200 at Flint's shapes (.dev/tune_prefill.py). BLOCK_M is halved when experts get few rows each.
+GROUPED_TILES = {
+    ("matmul", False): (64, 256, 64, 4, 4),
+    ("matmul", True): (128, 128, 64, 8, 4),
+    ("gate_up", False): (128, 128, 64, 8, 3),
+    ("gate_up", True): (128, 128, 64, 8, 3),
+    ("down", False): (128, 128, 64, 4, 3),
+    ("down", True): (128, 64, 64, 4, 3),
+}
+
+
+def _grouped_tiles(kernel, nvfp4, rows, N, K):
+    """Tiles for a GEMM of `rows` rows (per expert) by an [N, K] weight: BLOCK_M halved while it is over twice the
+    rows, BLOCK_K halved until it divides K (the main loop does not mask), BLOCK_N (grouped GEMMs) until it
+    divides N."""
+    BLOCK_M, BLOCK_N, BLOCK_K, warps, stages = (16, 16, 32, 4, 1) if INTERPRET else GROUPED_TILES[kernel, nvfp4]
+    while BLOCK_M > 16 and rows < BLOCK_M // 2:
+        BLOCK_M //= 2
+    while kernel != "matmul" and N % BLOCK_N:
+        BLOCK_N //= 2
+    while K % BLOCK_K:
+        BLOCK_K //= 2
+    assert BLOCK_N >= 16 and BLOCK_K >= 16, f"the GEMM tiles need N and K divisible by 16, got {N}x{K}"
+    return BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
+
+
+def _expert_blocks(flat, E, BLOCK_M):
+    """Cut the (token, slot) rows, sorted by expert, into blocks of one expert and at most BLOCK_M rows, without a
+    host sync: there are at most rows / BLOCK_M + E blocks, the spare ones have expert -1. Returns (order: the
+    sorted rows' (token, slot) index, block expert, start, end)."""
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E)
+    seg_end = counts.cumsum(0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M                        # per expert (0 for an unused one)
+    blk_cum = blocks.cumsum(0)
+    j = torch.arange(triton.cdiv(flat.numel(), BLOCK_M) + E, device=flat.device)
+    e = torch.searchsorted(blk_cum, j, right=True)                    # expert of block j (E: spare)
+    ec = e.clamp(max=E - 1)
+    start = seg_end[ec] - counts[ec] + (j - (blk_cum[ec] - blocks[ec])) * BLOCK_M
+    blk_expert = torch.where(e < E, e, -1)
+    return order, blk_expert.to(torch.int32), start.to(torch.int32), seg_end[ec].to(torch.int32)
 
 
 def experts(x, weights, experts, gate_up, down):
     """Routed experts of many tokens: x [N, C] bf16, weights/experts [N, A] -> [N, C] bf16 (see experts_ref).
     The N * A (token, slot) rows are sorted by expert and cut into blocks of one expert each, so every expert's
-    weights are read once per block of up to BLOCK_M tokens; experts no token chose are not read."""
+    weights are read once per block of up to BLOCK_M rows; experts no token chose are not read. Three launches
+    (gate/up + SwiGLU, down, weighted combine) and no host sync."""
     N, C = x.shape
     A = experts.shape[1]
     E, I = down.shape[0], down.shape[-1]
@@ -767,28 +888,38 @@ def experts(x, weights, experts, gate_up, down):
     wp, sp, rsp, nvfp4 = _weight_args(gate_up)
     dwp, dsp, drsp, d_nvfp4 = _weight_args(down)
     assert nvfp4 == d_nvfp4, "gate_up and down must share one weight format"
-    BLOCK_M, BLOCK_N, BLOCK_K = (16, 16, 64) if INTERPRET else (64, 64, 64)
-    flat = experts.flatten()
-    order = torch.argsort(flat, stable=True)                          # (token, slot) rows grouped by expert
+    rows_per_expert = N * A / E
+    BM, BN, BK, warps, stages = _grouped_tiles("gate_up", nvfp4, rows_per_expert, I, C)
+    order, blk_expert, blk_start, blk_end = _expert_blocks(experts.flatten(), E, BM)
     tok = (order // A).to(torch.int32)
-    counts = torch.bincount(flat, minlength=E)
-    seg_end = counts.cumsum(0)
-    blocks = (counts + BLOCK_M - 1) // BLOCK_M                        # per expert (0 for an unused one)
-    n_blocks = int(blocks.sum())                                      # (a host sync: prefill is not captured)
-    blk_expert = torch.repeat_interleave(torch.arange(E, device=x.device), blocks)
-    first = torch.repeat_interleave(blocks.cumsum(0) - blocks, blocks)
-    blk_start = (seg_end - counts)[blk_expert] + (torch.arange(n_blocks, device=x.device) - first) * BLOCK_M
-    blk_end = seg_end[blk_expert]
-    blk_start, blk_end = blk_start.to(torch.int32), blk_end.to(torch.int32)
     act = torch.empty(N * A, I, device=x.device, dtype=torch.bfloat16)
-    _grouped_gate_up_kernel[(n_blocks, triton.cdiv(I, BLOCK_N))](
-        x, tok, blk_expert, blk_start, blk_end, wp, sp, rsp, act, N, C, I,
-        NVFP4=nvfp4, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
-    y = torch.empty(N * A, C, device=x.device, dtype=torch.bfloat16)
-    _grouped_down_kernel[(n_blocks, triton.cdiv(C, BLOCK_N))](
-        act, blk_expert, blk_start, blk_end, dwp, dsp, drsp, y, C, I,
-        NVFP4=nvfp4, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
-    y_tokens = torch.empty_like(y)
-    y_tokens[order] = y                                               # back to (token, slot) order
-    return (weights.float()[..., None] * y_tokens.view(N, A, C).float()).sum(1).to(x.dtype)
+    _grouped_gate_up_kernel[(blk_expert.numel(), I // BN)](
+        x, tok, blk_expert, blk_start, blk_end, wp, sp, rsp, act, C, I,
+        NVFP4=nvfp4, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages)
+    BM2, BN, BK, warps, stages = _grouped_tiles("down", nvfp4, rows_per_expert, C, I)
+    if BM2 != BM:
+        _, blk_expert, blk_start, blk_end = _expert_blocks(experts.flatten(), E, BM2)
+    y = torch.empty(N * A, C, device=x.device, dtype=torch.bfloat16)  # (token, slot) order
+    _grouped_down_kernel[(blk_expert.numel(), C // BN)](
+        act, order.to(torch.int32), blk_expert, blk_start, blk_end, dwp, dsp, drsp, y, C, I,
+        NVFP4=nvfp4, BLOCK_M=BM2, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages)
+    out = torch.empty_like(x)
+    BLOCK_C = min(1024, C)
+    assert C % BLOCK_C == 0
+    _combine_kernel[(C // BLOCK_C, N)](y, weights.contiguous(), out, C, A=A, BLOCK_C=BLOCK_C, num_warps=4)
+    return out
 
+
+def matmul(x, w, f32=False):
+    """x [M, K] bf16 (any M) @ w^T for a bf16 or NVFP4 weight [N, K] -> [M, N] bf16 (fp32 if f32): the prefill
+    GEMMs of NVFP4 weights (see linear_ref / linear_f32)."""
+    M, K = x.shape
+    wp, sp, rsp, nvfp4 = _weight_args(w)
+    N = w.shape[0]
+    assert w.shape[-1] == K and x.is_contiguous() and x.dtype == torch.bfloat16
+    BM, BN, BK, warps, stages = _grouped_tiles("matmul", nvfp4, M, N, K)
+    y = torch.empty(M, N, device=x.device, dtype=torch.float32 if f32 else torch.bfloat16)
+    _matmul_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
+        x, wp, sp, rsp, y, M, N, K, NVFP4=nvfp4, OUT_F32=f32,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages)
+    return y

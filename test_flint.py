@@ -1148,16 +1148,16 @@ def test_attention_decode_kernel(window, S, H, G):
         assert torch.equal(vc, vc2)
 
 
-@pytest.mark.parametrize("window, H, G", [(5, 4, 2), (0, 8, 2), (7, 4, 4)])
-def test_sink_attention_kernel(window, H, G):
-    """Prefill attention: a chunk of 11 queries over a strided cache slice (full) or a wrapped ring plus the chunk
-    (sliding), empty slots, rows at different positions, GQA groups 1..4."""
-    B, T, D, S_max = 2, 11, 32, 40
+@pytest.mark.parametrize("window, H, G, T", [(5, 4, 2, 11), (0, 8, 2, 11), (7, 4, 4, 11), (5, 4, 2, 40), (0, 4, 1, 40)])
+def test_sink_attention_kernel(window, H, G, T):
+    """Prefill attention: a chunk of 11 or 40 queries (query blocks that skip keys) over a strided cache slice (full) or a ring, oldest first, plus the
+    chunk (sliding; KVCache.store's layouts), empty slots, rows at different positions, GQA groups 1..4."""
+    B, D, S_max = 2, 32, 64
     g = torch.Generator().manual_seed(window)
     start = torch.tensor([3, 20])                                       # where each row's chunk begins
     q_pos = start[:, None] + torch.arange(T)
     if window:                                                          # the ring as it was, then the chunk
-        ring = flint.slot_positions(start[:, None] - 1, window)
+        ring = start[:, None] - window + torch.arange(window)
         k_pos = torch.cat([ring, q_pos], 1)
         k = rand_act(B, window + T, G, D, seed=2)
         v = rand_act(B, window + T, G, D, seed=3)
@@ -1189,6 +1189,16 @@ def test_moe_experts_kernel(B, nvfp4):
 
 
 @pytest.mark.parametrize("nvfp4", [False, True])
+def test_matmul_kernel(nvfp4):
+    """Prefill GEMM: rows and columns that are not multiples of the tiles, K not a power of 2, bf16 and fp32 out."""
+    x, w = rand_act(37, 96, seed=1), rand_weight(50, 96, nvfp4=nvfp4, seed=2)
+    close(kernels.matmul(x, w), flint.linear_ref(x, w))
+    got = kernels.matmul(x, w, f32=True)
+    assert got.dtype == torch.float32
+    close(got, flint.linear_f32(x, w))
+
+
+@pytest.mark.parametrize("nvfp4", [False, True])
 def test_experts_grouped_kernel(nvfp4):
     """Prefill experts as grouped GEMMs: 40 tokens x top-3 of 8 experts, one expert chosen by none, one by most
     (more rows than a block), against the plain loop over experts."""
@@ -1211,16 +1221,28 @@ def tiny_model(nvfp4=False, seed=0):
     names = [n for n, _ in flint.Transformer(cfg, torch.bfloat16, "meta").weights()
              if n.endswith(load.NVFP4_WEIGHTS)] if nvfp4 else ()
     model = flint.init_random(flint.Transformer(cfg, torch.bfloat16, DEV, nvfp4=names), seed=seed, std=0.1)
-    model.decode_ops = flint.REFERENCE_OPS
+    model.decode_ops = model.prefill_ops = flint.REFERENCE_OPS
     return model
 
 
-def checked_ops(worst):
-    """Decode ops that run the Triton op and the reference op on the same inputs, record the worst error of each
-    output relative to its max |value| in `worst`, and continue on the reference's values. (Whole steps are not
-    compared: a random model amplifies a one-ulp difference layer after layer, and a near-tie in a bf16 router
-    logit then picks another expert.)"""
-    fast = flint.kernel_ops()
+def well_conditioned(model):
+    """Random weights with small layer updates (a random deep net with large ones amplifies one-ulp differences
+    into different router choices and tokens) and a decisive lm_head."""
+    flint.init_random(model, seed=1, std=0.02)
+    model.embed.data.normal_(0, 1.0)
+    if isinstance(model.lm_head, flint.NVFP4):
+        model.lm_head.scales.copy_((model.lm_head.scales.float() * 16).to(torch.float8_e4m3fn))
+    else:
+        model.lm_head.data.normal_(0, 0.3)
+    return model
+
+
+def checked_ops(worst, fast=None):
+    """Ops that run the fast op (decode kernels, or `fast`) and the reference op on the same inputs, record the
+    worst error of each output relative to its max |value| in `worst`, and continue on the reference's values.
+    (Whole steps are not compared: a random model amplifies a one-ulp difference layer after layer, and a near-tie
+    in a bf16 router logit then picks another expert.)"""
+    fast = fast or flint.kernel_ops()
 
     def checked(name):
         def op(*args, **kw):
@@ -1251,24 +1273,44 @@ def test_decode_kernels_match_reference_path(nvfp4):
     assert set(worst) >= {"add_norm_linear[2]", "attention_decode[0]", "moe_experts[0]"}, worst
 
 
+@pytest.mark.parametrize("nvfp4", [False, True])
+def test_prefill_kernels_match_reference_path(nvfp4):
+    """Chunked prefill of a tiny model with prefill_ops (Triton attention and grouped experts) across the ring's
+    wrap: inside each chunk every op on the reference op's inputs agrees with it to bf16 rounding; and, with
+    well-conditioned weights, the chunks prefilled on their own, then one decode step, agree with a full recompute
+    on the reference ops."""
+    model = tiny_model(nvfp4)
+    B, T = 2, 48                                                        # chunks of 7, 33 (66 rows: GEMMs) and 7
+    chunks = [(0, 7), (7, 40), (40, T - 1)]
+    ids = torch.randint(0, 300, (B, T), generator=torch.Generator().manual_seed(0)).to(DEV)
+    pos = torch.arange(T, device=DEV)[None].expand(B, T)
+    worst = {}
+    model.prefill_ops = checked_ops(worst, flint.prefill_ops())
+    cache = flint.KVCache(model.cfg, B, T, torch.bfloat16, DEV)
+    for a, b in chunks:
+        model(ids[:, a:b], pos[:, a:b], cache)
+    assert set(worst) >= {"sink_attention[0]", "moe_experts[0]"}, worst
+    well_conditioned(model)
+    model.prefill_ops = flint.REFERENCE_OPS
+    full = model(ids, pos)
+    model.prefill_ops = flint.prefill_ops()
+    cache = flint.KVCache(model.cfg, B, T, torch.bfloat16, DEV)
+    got = [model(ids[:, a:b], pos[:, a:b], cache) for a, b in chunks]
+    got.append(model(ids[:, T - 1:], pos[:, T - 1:], cache))            # a decode step on the cache
+    close(torch.cat(got, 1), full)
+
+
 @cuda
 @pytest.mark.parametrize("nvfp4", [False, True])
 def test_gpu_graph_generation_matches_reference(nvfp4):
     """Greedy: 64 tokens from CUDA-graph replays of the Triton path equal the eager reference path's."""
     from generate import generate
-    model = tiny_model(nvfp4, seed=1)
-    # well-conditioned random weights: small layer updates (a random deep net with large ones amplifies one-ulp
-    # differences into different tokens) and a decisive lm_head
-    flint.init_random(model, seed=1, std=0.02)
-    model.embed.data.normal_(0, 1.0)
-    if isinstance(model.lm_head, flint.NVFP4):
-        model.lm_head.scales.copy_((model.lm_head.scales.float() * 16).to(torch.float8_e4m3fn))
-    else:
-        model.lm_head.data.normal_(0, 0.3)
+    model = well_conditioned(tiny_model(nvfp4, seed=1))
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
     out = []
     for ops, graph in [(flint.REFERENCE_OPS, False), (flint.kernel_ops(), True), (flint.kernel_ops(), False)]:
         model.decode_ops = ops
+        model.prefill_ops = flint.REFERENCE_OPS if ops is flint.REFERENCE_OPS else flint.prefill_ops()
         cache = flint.KVCache(model.cfg, 2, 80, torch.bfloat16, DEV)
         out.append(torch.stack([t.clone() for t in generate(model, cache, prompts, 64, 0.0, 0, 1.0, graph=graph)]))
     assert torch.equal(out[1], out[2]), "graph replay differs from eager"
