@@ -1229,11 +1229,12 @@ def well_conditioned(model):
     """Random weights with small layer updates (a random deep net with large ones amplifies one-ulp differences
     into different router choices and tokens) and a decisive lm_head."""
     flint.init_random(model, seed=1, std=0.02)
-    model.embed.data.normal_(0, 1.0)
+    g = torch.Generator(device=model.device).manual_seed(2)            # seeded: the same weights in every run
+    model.embed.data.normal_(0, 1.0, generator=g)
     if isinstance(model.lm_head, flint.NVFP4):
         model.lm_head.scales.copy_((model.lm_head.scales.float() * 16).to(torch.float8_e4m3fn))
     else:
-        model.lm_head.data.normal_(0, 0.3)
+        model.lm_head.data.normal_(0, 0.3, generator=g)
     return model
 
 
