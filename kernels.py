@@ -864,7 +864,8 @@ def _expert_blocks(flat, E, BLOCK_M):
     host sync: there are at most rows / BLOCK_M + E blocks, the spare ones have expert -1. Returns (order: the
     sorted rows' (token, slot) index, block expert, start, end)."""
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=E)
+    counts = torch.zeros(E, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    # (not torch.bincount: on CUDA it reads the largest id back to the host)
     seg_end = counts.cumsum(0)
     blocks = (counts + BLOCK_M - 1) // BLOCK_M                        # per expert (0 for an unused one)
     blk_cum = blocks.cumsum(0)
