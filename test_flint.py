@@ -1148,30 +1148,46 @@ def test_attention_decode_kernel(window, S, H, G):
         assert torch.equal(vc, vc2)
 
 
-@pytest.mark.parametrize("window, H, G, T", [(5, 4, 2, 11), (0, 8, 2, 11), (7, 4, 4, 11), (5, 4, 2, 40), (0, 4, 1, 40)])
-def test_sink_attention_kernel(window, H, G, T):
-    """Prefill attention: a chunk of 11 or 40 queries (query blocks that skip keys) over a strided cache slice (full) or a ring, oldest first, plus the
-    chunk (sliding; KVCache.store's layouts), empty slots, rows at different positions, GQA groups 1..4."""
-    B, D, S_max = 2, 32, 64
-    g = torch.Generator().manual_seed(window)
-    start = torch.tensor([3, 20])                                       # where each row's chunk begins
+def check_sink_attention(window, H, G, T, start, seed=0):
+    """The kernel against sink_attention_ref for chunks of T queries starting at positions start [B], over
+    KVCache.store's layouts: a ring, oldest first, plus the chunk (sliding), or the first slots of a full cache
+    where rows that have written less hold empty (negative) slots past their last position."""
+    B, D = len(start), 32
+    g = torch.Generator().manual_seed(seed)
+    start = torch.tensor(start)
     q_pos = start[:, None] + torch.arange(T)
-    if window:                                                          # the ring as it was, then the chunk
-        ring = start[:, None] - window + torch.arange(window)
-        k_pos = torch.cat([ring, q_pos], 1)
-        k = rand_act(B, window + T, G, D, seed=2)
-        v = rand_act(B, window + T, G, D, seed=3)
-    else:                                                               # the first n slots of a full cache
+    if window:
+        k_pos = torch.cat([start[:, None] - window + torch.arange(window), q_pos], 1)
+    else:
         n = int(q_pos.max()) + 1
-        k_pos = torch.arange(n).expand(B, n).clone()
-        k_pos[0, int(q_pos[0, -1]) + 1:] = -1                           # row 0 has written less
-        k = rand_act(B, S_max, G, D, seed=2)[:, :n]
-        v = rand_act(B, S_max, G, D, seed=3)[:, :n]
-    q = rand_act(B, T, H, D, seed=4)
+        k_pos = flint.slot_positions(q_pos[:, -1:], n)                  # slot = position, negative past the last
+    k = rand_act(B, k_pos.shape[1], G, D, seed=seed + 2)
+    v = rand_act(B, k_pos.shape[1], G, D, seed=seed + 3)
+    if not window:                                                      # a strided slice of a longer cache
+        k = torch.cat([k, k], 1)[:, :k_pos.shape[1]]
+        v = torch.cat([v, v], 1)[:, :k_pos.shape[1]]
+    q = rand_act(B, T, H, D, seed=seed + 4)
     sinks = torch.randn(H, generator=g).to(DEV)
     q_pos, k_pos = q_pos.to(DEV), k_pos.to(DEV)
     close(kernels.sink_attention(q, k, v, sinks, q_pos, k_pos, window),
           flint.sink_attention_ref(q, k, v, sinks, q_pos, k_pos, window))
+
+
+@pytest.mark.parametrize("window, H, G, T", [(5, 4, 2, 11), (0, 8, 2, 11), (7, 4, 4, 11), (5, 4, 2, 40),
+                                             (0, 4, 1, 40), (5, 4, 2, 12), (0, 4, 2, 14)])
+def test_sink_attention_kernel(window, H, G, T):
+    """Prefill attention: chunks of 11 to 40 queries (query blocks that skip keys) at positions 3 and 20, rings
+    that wrap, empty slots, GQA groups 1..4; the last two put a row's newest key first in a 16-key block."""
+    check_sink_attention(window, H, G, T, [3, 20], seed=window)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sink_attention_kernel_random(seed):
+    """Random chunk lengths, start positions (a chunk may start at 0), windows and GQA shapes."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda n: int(torch.randint(0, n, (), generator=g))            # noqa: E731
+    G = (1, 2, 4)[r(3)]
+    check_sink_attention((0, 3, 9)[r(3)], G * (1, 2, 4)[r(3)], G, 1 + r(48), [r(60) for _ in range(1 + r(3))], seed)
 
 
 @pytest.mark.parametrize("B", [1, 3])
