@@ -347,8 +347,8 @@ def kernel_ops():
 def prefill_ops():
     """Ops for prompt chunks on the GPU, same names and signatures: the reference ops recomposed from cuBLAS GEMMs
     (bf16 weights), Triton GEMMs (NVFP4 weights, dequantized in the main loop), torch norms and routing, Triton
-    flash attention with sinks and the routed experts as grouped GEMMs. A chunk's last rows (the logits) go
-    through the decode kernels."""
+    flash attention with sinks and the routed experts as grouped GEMMs. Inputs of at most 64 rows (the last
+    token's logits, short chunks) take the decode kernels' add_norm_linear instead of a GEMM."""
     import kernels
 
     def linear(x, w, f32=False):

@@ -704,7 +704,7 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
 
 
 # -----------------------------------------------------------------------------
-# experts: the routed experts of many tokens (prefill) as two grouped GEMMs over tokens sorted by expert
+# Prompt chunks: the routed experts as grouped GEMMs over tokens sorted by expert, and a GEMM for NVFP4 weights
 
 
 @triton.jit
@@ -828,8 +828,8 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, C, A: tl.constexpr, BLOCK_C: tl.const
     t = tl.program_id(1).to(tl.int64)
     acc = tl.zeros([BLOCK_C], dtype=tl.float32)
     for a in range(A):
-        acc += tl.load(w_ptr + t * A + a).to(tl.float32) * tl.load(y_ptr + (t * A + a) * C + offs).to(tl.float32)
-    tl.store(out_ptr + t * C + offs, _to_bf16(acc))
+        acc += tl.load(w_ptr + t * A + a).to(tl.float32) * _load_f32(y_ptr + (t * A + a) * C + offs, offs < C)
+    tl.store(out_ptr + t * C + offs, _to_bf16(acc), mask=offs < C)
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the grouped GEMMs, for bf16 and NVFP4 weights; measured
@@ -905,9 +905,8 @@ def experts(x, weights, experts, gate_up, down):
         act, order.to(torch.int32), blk_expert, blk_start, blk_end, dwp, dsp, drsp, y, C, I,
         NVFP4=nvfp4, BLOCK_M=BM2, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages)
     out = torch.empty_like(x)
-    BLOCK_C = min(1024, C)
-    assert C % BLOCK_C == 0
-    _combine_kernel[(C // BLOCK_C, N)](y, weights.contiguous(), out, C, A=A, BLOCK_C=BLOCK_C, num_warps=4)
+    BLOCK_C = min(1024, triton.next_power_of_2(C))
+    _combine_kernel[(triton.cdiv(C, BLOCK_C), N)](y, weights.contiguous(), out, C, A=A, BLOCK_C=BLOCK_C, num_warps=4)
     return out
 
 
