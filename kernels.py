@@ -77,9 +77,10 @@ def _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, offs_k, B, K, stride_b,
 
 @triton.jit
 def _dot(acc, x, w):
-    """acc[b, n] += sum_k x[b, k] * w[n, k] on tensor cores, fp32 accumulation."""
+    """acc[b, n] += sum_k x[b, k] * w[n, k] on tensor cores (bf16 operands: the values are bf16-exact), fp32
+    accumulation."""
     if INTERPRET_DOT:
-        return acc + tl.dot(x, tl.trans(w), input_precision="ieee")
+        return acc + tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
     return acc + tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
 
 
@@ -708,14 +709,6 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
 
 
 @triton.jit
-def _mma(acc, x, w):
-    """acc[m, n] += sum_k x[m, k] * w[n, k] on tensor cores (bf16 tiles, fp32 accumulation)."""
-    if INTERPRET_DOT:
-        return acc + tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-    return tl.dot(x, tl.trans(w), acc)
-
-
-@triton.jit
 def _weight_tile(w_ptr, s_ptr, offs_n, k0, K, NVFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Columns k0 .. k0 + BLOCK_K of weight rows offs_n, bf16 [BLOCK_N, BLOCK_K]: NVFP4 dequantized here, in the
     GEMM main loop (codes e2m1 x e4m3 scale are exact in bf16; the row scale goes on the accumulator)."""
@@ -762,8 +755,8 @@ def _grouped_gate_up_kernel(
         u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, C, BLOCK_K):
             x = tl.load(x_ptr + tok[:, None] * C + k0 + offs_k[None, :])
-            g = _mma(g, x, _weight_tile(wg, sg, offs_n, k0, C, NVFP4, BLOCK_N, BLOCK_K))
-            u = _mma(u, x, _weight_tile(wu, su, offs_n, k0, C, NVFP4, BLOCK_N, BLOCK_K))
+            g = _dot(g, x, _weight_tile(wg, sg, offs_n, k0, C, NVFP4, BLOCK_N, BLOCK_K))
+            u = _dot(u, x, _weight_tile(wu, su, offs_n, k0, C, NVFP4, BLOCK_N, BLOCK_K))
         if NVFP4:
             g *= tl.load(rs_ptr + e * (2 * I) + offs_n)[None, :]
             u *= tl.load(rs_ptr + e * (2 * I) + I + offs_n)[None, :]
@@ -793,7 +786,7 @@ def _grouped_down_kernel(
         y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
             a = tl.load(act_ptr + src[:, None] * I + k0 + offs_k[None, :])
-            y = _mma(y, a, _weight_tile(wd, sd, offs_n, k0, I, NVFP4, BLOCK_N, BLOCK_K))
+            y = _dot(y, a, _weight_tile(wd, sd, offs_n, k0, I, NVFP4, BLOCK_N, BLOCK_K))
         if NVFP4:
             y *= tl.load(rs_ptr + e * C + offs_n)[None, :]
         dst = tl.load(dst_ptr + rows, mask=rows < end, other=0).to(tl.int64)
@@ -813,7 +806,7 @@ def _matmul_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, y_ptr, M, N, K,
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_ptr + src[:, None] * K + k0 + offs_k[None, :])
-        acc = _mma(acc, x, _weight_tile(w_ptr, s_ptr, cols, k0, K, NVFP4, BLOCK_N, BLOCK_K))
+        acc = _dot(acc, x, _weight_tile(w_ptr, s_ptr, cols, k0, K, NVFP4, BLOCK_N, BLOCK_K))
     if NVFP4:
         acc *= tl.load(rs_ptr + cols)[None, :]
     y = acc if OUT_F32 else _to_bf16(acc)
