@@ -480,7 +480,7 @@ def _sink_attention_kernel(
     """Program (query block, kv head g, row b): BLOCK_M queries x the R query heads of group g as one tile of
     BLOCK_M * BLOCK_R rows, so the group's heads share each K/V tile. Keys are visible by position, as in
     sink_attention_ref; the sink joins the softmax denominator at the end."""
-    mb, g, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    mb, g, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)   # B long rows: > 2^31 elements
     R: tl.constexpr = H // G
     ROWS: tl.constexpr = BLOCK_M * BLOCK_R
     rows = tl.arange(0, ROWS)
