@@ -357,8 +357,8 @@ def prefill_ops():
         return linear_f32(x, w) if f32 else F.linear(x, w)
 
     def add_norm_linear(x, dx, norm_w, w, eps, f32=False):
-        if x.shape[0] <= 64:
-            return kernels.add_norm_linear(x, dx, norm_w, w, eps, f32)
+        if x.shape[0] <= 64:                                             # (last_only: strided rows)
+            return kernels.add_norm_linear(x.contiguous(), dx if dx is None else dx.contiguous(), norm_w, w, eps, f32)
         x, h = add_rms_norm_ref(x, dx, norm_w, eps)
         return x, h, linear(h, w, f32)
 

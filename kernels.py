@@ -841,7 +841,9 @@ def _grouped_tiles(kernel, nvfp4, rows, N, K):
     """Tiles for a GEMM of `rows` rows (per expert) by an [N, K] weight: BLOCK_M halved while it is over twice the
     rows, BLOCK_K halved until it divides K (the main loop does not mask), BLOCK_N (grouped GEMMs) until it
     divides N."""
-    BLOCK_M, BLOCK_N, BLOCK_K, warps, stages = (16, 16, 32, 4, 1) if INTERPRET else GROUPED_TILES[kernel, nvfp4]
+    BLOCK_M, BLOCK_N, BLOCK_K, warps, stages = GROUPED_TILES[kernel, nvfp4]
+    if INTERPRET:                                                     # small tiles, several blocks per test
+        BLOCK_M, BLOCK_N, BLOCK_K, warps, stages = (32, 64, 64, 4, 1) if kernel == "matmul" else (16, 32, 32, 4, 1)
     while BLOCK_M > 16 and rows < BLOCK_M // 2:
         BLOCK_M //= 2
     while kernel != "matmul" and N % BLOCK_N:
