@@ -70,6 +70,12 @@ def time_steps(step, B, ctx, dev, iters):
     return statistics.median(times)
 
 
+def log(row, prefix=""):
+    """One measurement as key=value pairs on stderr, as it is taken (the tables come last, on stdout)."""
+    print("  " + prefix + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+          file=sys.stderr)
+
+
 def bench_config(model, cfg, weights, B, ctx, args, gemv_bw):
     dev = model.device
     cache = flint.KVCache(cfg, B, ctx + 8, torch.bfloat16, dev)
@@ -85,8 +91,7 @@ def bench_config(model, cfg, weights, B, ctx, args, gemv_bw):
         del step
         row = dict(weights=weights, path=path, batch=B, context=ctx, tok_s=B / t, ms=t * 1e3,
                    gb=nbytes / 1e9, gbs=nbytes / t / 1e9, floor=nbytes / t / 1e9 / gemv_bw * 100)
-        print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-              file=sys.stderr)
+        log(row)
         rows.append(row)
     return rows
 
@@ -115,8 +120,7 @@ def bench_prefill(model, cfg, weights, n, args):
         t = time.perf_counter() - t
         row = dict(weights=weights, path=path, prompt=n, ttft=t, tok_s=n / t,
                    peak=torch.cuda.max_memory_allocated() / 2**30)
-        print("  prefill " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-              file=sys.stderr)
+        log(row, "prefill ")
         rows.append(row)
         del cache, logits
         torch.cuda.empty_cache()
@@ -177,5 +181,5 @@ if __name__ == "__main__":
                    help="prompt lengths for the prefill benchmark (none: skip it)")
     p.add_argument("--chunk", type=int, default=PREFILL_CHUNK, help="prefill chunk size")
     p.add_argument("--reference-max", type=int, default=8192,
-                   help="longest prompt to prefill on the reference path (about 700 tok/s)")
+                   help="longest prompt to prefill on the reference path (about 1,000 tok/s)")
     main(p.parse_args())

@@ -357,8 +357,8 @@ def prefill_ops():
         return linear_f32(x, w) if f32 else F.linear(x, w)
 
     def add_norm_linear(x, dx, norm_w, w, eps, f32=False):
-        if x.shape[0] <= 64:                                             # (last_only: strided rows)
-            return kernels.add_norm_linear(x.contiguous(), dx if dx is None else dx.contiguous(), norm_w, w, eps, f32)
+        if x.shape[0] <= 64:
+            return kernels.add_norm_linear(x, dx, norm_w, w, eps, f32)
         x, h = add_rms_norm_ref(x, dx, norm_w, eps)
         return x, h, linear(h, w, f32)
 
@@ -521,7 +521,7 @@ class Transformer(nn.Module):
         for block in self.layers:
             x, dx = block(x, dx, pos, cache, self.rope, ops)
         if last_only:
-            x, dx, T = x.view(B, T, -1)[:, -1], dx.view(B, T, -1)[:, -1], 1
+            x, dx, T = x.view(B, T, -1)[:, -1].contiguous(), dx.view(B, T, -1)[:, -1].contiguous(), 1  # [B, C]
         _, _, logits = ops.add_norm_linear(x, dx, self.norm, self.lm_head, self.cfg.rms_norm_eps, f32=True)
         return logits.view(B, T, -1)                                     # [B, T, V] fp32
 
@@ -588,7 +588,8 @@ class KVCache:
         # attend over the ring as it was (oldest first: positions p - S .. p - 1 sit in slots (p - S .. p - 1) % S)
         # plus the chunk, then keep the chunk's last S tokens.
         ring_pos = pos[:, :1] - S + torch.arange(S, device=pos.device)   # [B, S]
-        ks, vs = torch.cat([kc[rows, ring_pos % S], k], 1), torch.cat([vc[rows, ring_pos % S], v], 1)
+        oldest_first = ring_pos % S
+        ks, vs = torch.cat([kc[rows, oldest_first], k], 1), torch.cat([vc[rows, oldest_first], v], 1)
         k_pos = torch.cat([ring_pos, pos], 1)
         kc[rows, pos[:, -S:] % S], vc[rows, pos[:, -S:] % S] = k[:, -S:], v[:, -S:]
         return ks, vs, k_pos

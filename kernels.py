@@ -825,9 +825,9 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, C, A: tl.constexpr, BLOCK_C: tl.const
     tl.store(out_ptr + t * C + offs, _to_bf16(acc), mask=offs < C)
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the grouped GEMMs, for bf16 and NVFP4 weights; measured
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the prompt-chunk GEMMs, for bf16 and NVFP4 weights; measured
 # on an H200 at Flint's shapes (.dev/tune_prefill.py). BLOCK_M is halved when experts get few rows each.
-GROUPED_TILES = {
+GEMM_TILES = {
     ("matmul", False): (64, 256, 64, 4, 4),
     ("matmul", True): (128, 128, 64, 8, 4),
     ("gate_up", False): (128, 128, 64, 8, 3),
@@ -837,11 +837,11 @@ GROUPED_TILES = {
 }
 
 
-def _grouped_tiles(kernel, nvfp4, rows, N, K):
+def _gemm_tiles(kernel, nvfp4, rows, N, K):
     """Tiles for a GEMM of `rows` rows (per expert) by an [N, K] weight: BLOCK_M halved while it is over twice the
     rows, BLOCK_K halved until it divides K (the main loop does not mask), BLOCK_N (grouped GEMMs) until it
     divides N."""
-    BLOCK_M, BLOCK_N, BLOCK_K, warps, stages = GROUPED_TILES[kernel, nvfp4]
+    BLOCK_M, BLOCK_N, BLOCK_K, warps, stages = GEMM_TILES[kernel, nvfp4]
     if INTERPRET:                                                     # small tiles, several blocks per test
         BLOCK_M, BLOCK_N, BLOCK_K, warps, stages = (32, 64, 64, 4, 1) if kernel == "matmul" else (16, 32, 32, 4, 1)
     while BLOCK_M > 16 and rows < BLOCK_M // 2:
@@ -885,14 +885,14 @@ def experts(x, weights, experts, gate_up, down):
     dwp, dsp, drsp, d_nvfp4 = _weight_args(down)
     assert nvfp4 == d_nvfp4, "gate_up and down must share one weight format"
     rows_per_expert = N * A / E
-    BM, BN, BK, warps, stages = _grouped_tiles("gate_up", nvfp4, rows_per_expert, I, C)
+    BM, BN, BK, warps, stages = _gemm_tiles("gate_up", nvfp4, rows_per_expert, I, C)
     order, blk_expert, blk_start, blk_end = _expert_blocks(experts.flatten(), E, BM)
     tok = (order // A).to(torch.int32)
     act = torch.empty(N * A, I, device=x.device, dtype=torch.bfloat16)
     _grouped_gate_up_kernel[(blk_expert.numel(), I // BN)](
         x, tok, blk_expert, blk_start, blk_end, wp, sp, rsp, act, C, I,
         NVFP4=nvfp4, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages)
-    BM2, BN, BK, warps, stages = _grouped_tiles("down", nvfp4, rows_per_expert, C, I)
+    BM2, BN, BK, warps, stages = _gemm_tiles("down", nvfp4, rows_per_expert, C, I)
     if BM2 != BM:
         _, blk_expert, blk_start, blk_end = _expert_blocks(experts.flatten(), E, BM2)
     y = torch.empty(N * A, C, device=x.device, dtype=torch.bfloat16)  # (token, slot) order
@@ -912,7 +912,7 @@ def matmul(x, w, f32=False):
     wp, sp, rsp, nvfp4 = _weight_args(w)
     N = w.shape[0]
     assert w.shape[-1] == K and x.is_contiguous() and x.dtype == torch.bfloat16
-    BM, BN, BK, warps, stages = _grouped_tiles("matmul", nvfp4, M, N, K)
+    BM, BN, BK, warps, stages = _gemm_tiles("matmul", nvfp4, M, N, K)
     y = torch.empty(M, N, device=x.device, dtype=torch.float32 if f32 else torch.bfloat16)
     _matmul_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
         x, wp, sp, rsp, y, M, N, K, NVFP4=nvfp4, OUT_F32=f32,
