@@ -338,10 +338,22 @@ REFERENCE_OPS = SimpleNamespace(add_norm_linear=add_norm_linear_ref, add_norm_sw
                                 sink_attention=sink_attention_ref)
 
 
+GROUPED_MIN_BATCH = 32  # decode steps of this many sequences group the MoE's tokens by expert, as prompts do
+
+
 def kernel_ops():
-    """The Triton twins of REFERENCE_OPS (same names and signatures), for decode steps of up to 64 sequences."""
+    """The Triton twins of REFERENCE_OPS (same names and signatures), for decode steps of up to 64 sequences.
+    From GROUPED_MIN_BATCH sequences up, the MoE runs as in prompt chunks (tokens grouped by expert): at batch 64
+    the 384 (token, expert) pairs of a layer touch about 200 distinct experts, each then read once."""
     import kernels
-    return SimpleNamespace(**{name: getattr(kernels, name) for name in vars(REFERENCE_OPS)})
+    grouped = prefill_ops().moe_experts
+
+    def moe_experts(h, *args):
+        return (grouped if h.shape[0] >= GROUPED_MIN_BATCH else kernels.moe_experts)(h, *args)
+
+    ops = SimpleNamespace(**{name: getattr(kernels, name) for name in vars(REFERENCE_OPS)})
+    ops.moe_experts = moe_experts
+    return ops
 
 
 def prefill_ops():

@@ -654,7 +654,7 @@ def _moe_down_kernel(
     else:
         row_bytes, row_scales = I, I
     routed = tl.zeros([1, BLOCK_N], dtype=tl.float32)
-    for j in range(A):
+    for j in tl.static_range(A):                                      # unrolled: the experts' loads overlap
         e = tl.load(ids_ptr + b * A + j).to(tl.int64)
         w = tl.load(wts_ptr + b * A + j)
         y = tl.zeros([1, BLOCK_N], dtype=tl.float32)

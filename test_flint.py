@@ -1274,10 +1274,12 @@ def checked_ops(worst, fast=None):
     return SimpleNamespace(**{name: checked(name) for name in vars(flint.REFERENCE_OPS)})
 
 
-@pytest.mark.parametrize("nvfp4", [False, True])
-def test_decode_kernels_match_reference_path(nvfp4):
+@pytest.mark.parametrize("nvfp4,grouped", [(False, False), (True, False), (False, True)])
+def test_decode_kernels_match_reference_path(nvfp4, grouped, monkeypatch):
     """Decode steps of a tiny model across the ring's wrap: inside each step, every Triton op on the reference
-    op's inputs (the cache included) agrees with it to bf16 rounding, and writes the same cache entries."""
+    op's inputs (the cache included) agrees with it to bf16 rounding, and writes the same cache entries. grouped:
+    the MoE as at large batch (tokens grouped by expert)."""
+    monkeypatch.setattr(flint, "GROUPED_MIN_BATCH", 2 if grouped else 64)
     model = tiny_model(nvfp4)
     B, T = 2, 9
     ids = torch.randint(0, 300, (B, T + 4), generator=torch.Generator().manual_seed(0)).to(DEV)
@@ -1322,10 +1324,12 @@ def test_prefill_kernels_match_reference_path(nvfp4):
 
 
 @cuda
-@pytest.mark.parametrize("nvfp4", [False, True])
-def test_gpu_graph_generation_matches_reference(nvfp4):
-    """Greedy: 64 tokens from CUDA-graph replays of the Triton path equal the eager reference path's."""
+@pytest.mark.parametrize("nvfp4,grouped", [(False, False), (True, False), (False, True), (True, True)])
+def test_gpu_graph_generation_matches_reference(nvfp4, grouped, monkeypatch):
+    """Greedy: 64 tokens from CUDA-graph replays of the Triton path equal the eager reference path's (grouped:
+    with the MoE as at large batch, tokens grouped by expert inside the graph)."""
     from generate import generate
+    monkeypatch.setattr(flint, "GROUPED_MIN_BATCH", 2 if grouped else 64)
     model = well_conditioned(tiny_model(nvfp4, seed=1))
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
     out = []
