@@ -1346,18 +1346,19 @@ def test_gpu_graph_generation_matches_reference(nvfp4, grouped, monkeypatch):
 @pytest.mark.parametrize("nvfp4", [False, True])
 def test_gpu_full_size_decode_ops(nvfp4):
     """Full-size random Flint after a 600-token prompt (the rings have wrapped): in one decode step, every Triton
-    op on the reference op's inputs agrees with it to bf16 rounding. Then 32 teacher-forced steps, each path on its
-    own cache: the fast path against the reference, and, as the yardstick, the reference against itself inside a
-    batch of 2 (the same math; cuBLAS sums in another order). Random weights amplify one-ulp differences layer
-    after layer and flip near-tied router choices, so both are printed, not asserted (see issue 4)."""
+    op on the reference op's inputs agrees with it to bf16 rounding. Then 100 teacher-forced steps, each path on
+    its own cache, with well-conditioned weights (a decisive lm_head, as a trained model has; with init_random's,
+    the 150K logits are near-ties and top-1 is noise): the fast path against the reference, whose top-1 must agree
+    99% of the time, and, as the yardstick, the reference against itself inside a batch of 2 (the same math;
+    cuBLAS sums in another order)."""
     cfg = flint.Config(rope_theta=10000.0)
     names = [n for n, _ in flint.Transformer(cfg, torch.bfloat16, "meta").weights()
              if n.endswith(load.NVFP4_WEIGHTS)]
     model = flint.init_random(flint.Transformer(cfg, torch.bfloat16, DEV, nvfp4=names if nvfp4 else ()))
-    ids = torch.randint(0, cfg.vocab_size, (1, 632), generator=torch.Generator().manual_seed(0)).to(DEV)
+    ids = torch.randint(0, cfg.vocab_size, (1, 700), generator=torch.Generator().manual_seed(0)).to(DEV)
 
     def prefilled(B):
-        cache = flint.KVCache(cfg, B, 640, torch.bfloat16, DEV)
+        cache = flint.KVCache(cfg, B, 704, torch.bfloat16, DEV)
         model.decode_ops = flint.REFERENCE_OPS
         for b in range(B):
             model(ids[:, :600], torch.arange(600, device=DEV)[None], cache.row(b))
@@ -1373,14 +1374,18 @@ def test_gpu_full_size_decode_ops(nvfp4):
         cache = prefilled(B)
         model.decode_ops = ops
         return torch.cat([model(ids[:, t:t + 1].expand(B, 1), torch.full((B, 1), t, device=DEV), cache)[:1, 0]
-                          for t in range(600, 632)])
+                          for t in range(600, 700)])
+    well_conditioned(model)
     ref = steps(flint.REFERENCE_OPS, 1)
+    agree = {}
     for name, got in [("fast path vs reference", steps(flint.kernel_ops(), 1)),
                       ("reference in a batch of 2 vs alone", steps(flint.REFERENCE_OPS, 2))]:
         diff = (got - ref).abs()
-        print(f"full-size {'nvfp4' if nvfp4 else 'bf16'}, 32 teacher-forced steps, {name}: max |diff| "
+        agree[name] = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        print(f"full-size {'nvfp4' if nvfp4 else 'bf16'}, 100 teacher-forced steps, {name}: max |diff| "
               f"{diff.max().item():.4f}, mean {diff.mean().item():.5f} (mean |logit| {ref.abs().mean().item():.4f}), "
-              f"top-1 agreement {(got.argmax(-1) == ref.argmax(-1)).float().mean().item():.3f}")
+              f"top-1 agreement {agree[name]:.3f}")
+    assert agree["fast path vs reference"] >= 0.99, agree
 
 
 # -----------------------------------------------------------------------------
