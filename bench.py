@@ -7,8 +7,10 @@ Decode: measures the two bandwidth floors first (device copy, large GEMV read), 
 time of CUDA-graph replays of one decode step (fast path) or of eager steps (plain-torch reference path), and
 reports tok/s, ms per step, the bytes a step must read (active weights + KV cache), achieved GB/s and its share of
 the measured floor. Prefill: time to first token of one prompt (chunked prefill + sampling the first token; the
-fast path after a warm-up that compiles its kernels), prompt tok/s, and peak GPU memory. Prints markdown tables
-last.
+fast path after a warm-up that compiles its kernels), prompt tok/s, and peak GPU memory. --breakdown: where the
+fast decode step's time goes, op by op (see breakdown). Prints markdown tables last.
+
+python bench.py --weights bf16 --paths fast --batch 1 --context 512 --prefill --breakdown   # one breakdown
 """
 import argparse
 import datetime
@@ -53,21 +55,99 @@ def step_bytes(cfg, B, ctx, nvfp4):
     return linear * per + router + kv
 
 
-def time_steps(step, B, ctx, dev, iters):
-    """Median seconds of one decode step at position ctx."""
-    ids = torch.randint(0, 1000, (B,), device=dev)
-    pos = torch.full((B,), ctx, device=dev)
-    for _ in range(2):
-        step(ids, pos)
+def timed(fn, dev, iters, graph=False):
+    """Median seconds of fn() after a warm-up call (which compiles the kernels): eager calls, or replays of one
+    CUDA graph of fn (graph=True)."""
+    fn()
+    if graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):                                 # warm-up on a side stream, as torch asks
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        fn = g.replay
     times = []
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step(ids, pos)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        if dev.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def time_steps(step, B, ctx, dev, iters):
+    """Median seconds of one decode step at position ctx."""
+    ids = torch.randint(0, step.model.cfg.vocab_size, (B,), device=dev)
+    pos = torch.full((B,), ctx, device=dev)
+    step(ids, pos)
+    return timed(lambda: step(ids, pos), dev, iters)
+
+
+def random_cache(cfg, B, ctx, dev):
+    cache = flint.KVCache(cfg, B, ctx + 8, torch.bfloat16, dev)
+    for k, v in zip(cache.k, cache.v):                                  # random contents, as a real cache has
+        k.normal_()
+        v.normal_()
+    return cache
+
+
+def breakdown(model, B, ctx, iters=20):
+    """Where the decode step's time goes: each op of the step (model.decode_ops) timed alone over every layer that
+    has it, so that its weights come from HBM as in a step, not from L2; per layer and per step, as rows. On CUDA
+    the ops and the step are CUDA-graph replays; "between ops" is the step minus the ops: launch gaps, the
+    embedding gather and sampling."""
+    cfg, dev, ops, eps = model.cfg, model.device, model.decode_ops, model.cfg.rms_norm_eps
+    C, H, G, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    cache = random_cache(cfg, B, ctx, dev)
+    cos, sin = flint.rope_table(cfg, ctx + 8, dev)
+    pos = torch.full((B,), ctx, device=dev)
+    x, o = torch.randn(B, C, device=dev, dtype=torch.bfloat16), torch.randn(B, H * D, device=dev, dtype=torch.bfloat16)
+    qkv = torch.randn(B, (H + 2 * G) * D, device=dev, dtype=torch.bfloat16)
+    logits = torch.randn(B, cfg.num_experts, device=dev, dtype=torch.bfloat16)
+    blocks = list(model.layers)
+    moe = [b for b in blocks if isinstance(b.ffn, flint.MoE)]
+
+    def attention(b):
+        a = b.attn
+        return ops.attention_decode(qkv, a.q_norm, a.k_norm, a.sinks, cos, sin, cache.k[a.layer], cache.v[a.layer],
+                                    pos, a.window, eps)
+
+    parts = [  # (op, the layers that have it, one call)
+        ("qkv: add + norm + GEMV", blocks, lambda b: ops.add_norm_linear(x, x, b.attn_norm, b.attn.qkv, eps)),
+        ("attention, sliding", [b for b in blocks if b.attn.window], attention),
+        ("attention, full", [b for b in blocks if not b.attn.window], attention),
+        ("o_proj", blocks, lambda b: ops.linear(o, b.attn.o)),
+        ("dense MLP", [b for b in blocks if b not in moe],
+         lambda b: ops.linear(ops.add_norm_swiglu(x, x, b.ffn_norm, b.ffn.gate_up, eps)[1], b.ffn.down)),
+        ("router: add + norm + GEMV", moe, lambda b: ops.add_norm_linear(x, x, b.ffn_norm, b.ffn.router, eps)),
+        ("experts", moe, lambda b: ops.moe_experts(x, logits, b.ffn.gate_up, b.ffn.down, b.ffn.shared_gate_up,
+                                                    b.ffn.shared_down, b.ffn.top_k, b.ffn.norm_topk_prob)),
+        ("lm_head", [model], lambda m: ops.add_norm_linear(x, x, m.norm, m.lm_head, eps, f32=True)),
+    ]
+    graph = dev.type == "cuda"
+    rows, total = [], 0.0
+    for name, where, op in parts:
+        if where:
+            t = timed(lambda: [op(b) for b in where], dev, iters, graph)
+            rows.append(dict(op=name, layers=len(where), us_layer=t / len(where) * 1e6, us_step=t * 1e6))
+            total += t
+    step = flint.DecodeStep(model, cache, 0.0, 0, 1.0, graph=graph)
+    t = time_steps(step, B, ctx, dev, iters)
+    rows.append(dict(op="between ops", layers=len(blocks), us_layer=(t - total) / len(blocks) * 1e6,
+                     us_step=(t - total) * 1e6))
+    for r in rows:
+        r["share"] = r["us_step"] / (t * 1e6) * 100
+    return rows, t
 
 
 def log(row, prefix=""):
@@ -78,10 +158,7 @@ def log(row, prefix=""):
 
 def bench_config(model, cfg, weights, B, ctx, args, gemv_bw):
     dev = model.device
-    cache = flint.KVCache(cfg, B, ctx + 8, torch.bfloat16, dev)
-    for k, v in zip(cache.k, cache.v):                                  # random contents, as a real cache has
-        k.normal_()
-        v.normal_()
+    cache = random_cache(cfg, B, ctx, dev)
     nbytes = step_bytes(cfg, B, ctx, weights == "nvfp4")
     rows = []
     for path in args.paths:
@@ -132,7 +209,7 @@ def main(args):
     copy_bw, gemv_bw = floors(dev)
     print(f"floors: device copy {copy_bw:.0f} GB/s, bf16 GEMV read {gemv_bw:.0f} GB/s", file=sys.stderr)
     cfg = flint.Config(rope_theta=10000.0)
-    rows, prefill_rows = [], []
+    rows, prefill_rows, breakdowns = [], [], []
     for weights in args.weights:
         nvfp4 = weights == "nvfp4"
         names = [n for n, _ in flint.Transformer(cfg, torch.bfloat16, "meta").weights()
@@ -146,6 +223,12 @@ def main(args):
                 except torch.OutOfMemoryError:
                     print(f"{weights} batch {B} context {ctx}: out of memory", file=sys.stderr)
                 torch.cuda.empty_cache()
+                if args.breakdown:
+                    model.decode_ops = flint.kernel_ops()
+                    parts, t = breakdown(model, B, ctx, args.iters)
+                    for r in parts:
+                        log(dict(weights=weights, batch=B, context=ctx, **r), "breakdown ")
+                    breakdowns.append((weights, B, ctx, t, parts))
         for n in args.prefill:
             try:
                 prefill_rows += bench_prefill(model, cfg, weights, n, args)
@@ -161,6 +244,13 @@ def main(args):
     for r in rows:
         print(f"| {r['weights']} | {r['path']} | {r['batch']} | {r['context']} | {r['tok_s']:.1f} | {r['ms']:.2f} | "
               f"{r['gb']:.2f} | {r['gbs']:.0f} | {r['floor']:.0f}% |")
+    for weights, B, ctx, t, parts in breakdowns:
+        print(f"\nDecode step, fast path, {weights}, batch {B}, context {ctx}: {t * 1e3:.3f} ms; each op timed alone "
+              f"over the layers that have it:\n")
+        print("| op | layers | us per layer | us per step | share of the step |")
+        print("|---|---|---|---|---|")
+        for r in parts:
+            print(f"| {r['op']} | {r['layers']} | {r['us_layer']:.1f} | {r['us_step']:.0f} | {r['share']:.0f}% |")
     if prefill_rows:
         print(f"\nPrefill, one prompt, chunks of {args.chunk} tokens:\n")
         print("| weights | path | prompt tokens | time to first token (s) | prompt tok/s | peak GPU memory (GiB) |")
@@ -176,6 +266,8 @@ if __name__ == "__main__":
     p.add_argument("--batch", nargs="*", type=int, default=[1, 8, 64], help="decode batch sizes (none: skip decode)")
     p.add_argument("--context", nargs="+", type=int, default=[512, 32768])
     p.add_argument("--paths", nargs="+", default=["fast", "reference"], choices=["fast", "reference"])
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time each op of the fast decode step alone, per batch and context")
     p.add_argument("--iters", type=int, default=50, help="timed graph replays per configuration")
     p.add_argument("--prefill", nargs="*", type=int, default=[512, 8192, 32768, 131072],
                    help="prompt lengths for the prefill benchmark (none: skip it)")

@@ -1633,3 +1633,15 @@ def test_gpu_chat_tiny():
     assert "(0 new)" in t.line("/regen")
     os.write(t.fd, b"\x04")
     assert t.exit_status() == 0
+
+
+def test_bench_breakdown_tiny():
+    """bench.py's decode breakdown runs every op of a step (here the tiny model's, eagerly on the CPU): one row per
+    op kind, times positive, shares summing to the whole step."""
+    import bench
+    model = tiny_model()
+    rows, t = bench.breakdown(model, 2, 7, iters=2)
+    assert [r["op"] for r in rows] == ["qkv: add + norm + GEMV", "attention, sliding", "attention, full", "o_proj",
+                                       "dense MLP", "router: add + norm + GEMV", "experts", "lm_head", "between ops"]
+    assert t > 0 and all(r["us_step"] > 0 for r in rows[:-1])
+    assert abs(sum(r["share"] for r in rows) - 100) < 1e-6
