@@ -338,13 +338,14 @@ REFERENCE_OPS = SimpleNamespace(add_norm_linear=add_norm_linear_ref, add_norm_sw
                                 sink_attention=sink_attention_ref)
 
 
+MAX_DECODE_BATCH = 64   # sequences per decode step (the decode kernels' row tiles, kernels._block_b)
 GROUPED_MIN_BATCH = 32  # decode steps of this many sequences group the MoE's tokens by expert, as prompts do
 
 
 def kernel_ops():
-    """The Triton twins of REFERENCE_OPS (same names and signatures), for decode steps of up to 64 sequences.
-    From GROUPED_MIN_BATCH sequences up, the MoE runs as in prompt chunks (tokens grouped by expert): at batch 64
-    the 384 (token, expert) pairs of a layer touch about 200 distinct experts, each then read once."""
+    """The Triton twins of REFERENCE_OPS (same names and signatures), for decode steps of up to MAX_DECODE_BATCH
+    sequences. From GROUPED_MIN_BATCH sequences up, the MoE runs as in prompt chunks (tokens grouped by expert): at
+    batch 64 the 384 (token, expert) pairs of a layer touch about 200 distinct experts, each then read once."""
     import kernels
     grouped = prefill_ops().moe_experts
 

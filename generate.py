@@ -53,6 +53,9 @@ def read_prompts(args):
         prompts = [sys.stdin.read() if args.prompt == "-" else args.prompt]
     if not prompts:
         raise ValueError("no prompt: --prompt-file holds no non-empty line")
+    if len(prompts) > flint.MAX_DECODE_BATCH:
+        raise ValueError(f"--prompt-file holds {len(prompts)} prompts, and one batch decodes at most "
+                         f"{flint.MAX_DECODE_BATCH}; split the file")
     return prompts
 
 

@@ -372,6 +372,9 @@ def test_generate_batch_prompt_file(tmp_path):
     alone = [json.loads(run_generate("-c", "tiny", "-p", p, "-n", "12", "-t", "0", "--json").stdout)
              for p in ["first prompt", "second, longer prompt"]]
     assert [o["tokens"] for o in outs] == [a["tokens"] for a in alone]
+    (tmp_path / "many.txt").write_text("hi\n" * 65)
+    r = run_generate("-c", "tiny", "--prompt-file", str(tmp_path / "many.txt"))
+    assert r.returncode != 0 and "holds 65 prompts, and one batch decodes at most 64" in r.stderr
 
 
 def test_generate_too_long_prompt():
