@@ -156,6 +156,15 @@ def rope_ref(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+def qk_norm_rope_ref(q, k, q_norm, k_norm, cos, sin, eps):
+    """Attention's q [B, T, H, D] and k [B, T, G, D] before the cache (§2.3.2-3): per-head RMSNorm (one weight
+    each, shared by the heads), rounded, then on sliding layers RoPE at cos, sin [B, T, D/2] (None: a full layer)."""
+    q, k = rms_norm_ref(q, q_norm, eps), rms_norm_ref(k, k_norm, eps)
+    if cos is not None:
+        q, k = rope_ref(q, cos, sin), rope_ref(k, cos, sin)
+    return q, k
+
+
 def slot_positions(last, S):
     """Position held by each of S cache slots [B, S] once positions up to `last` [B, 1] were written in order to
     slot p % S; negative = never written. (Full layers: S = max length, so slot = position.)"""
@@ -335,7 +344,7 @@ def weight_factory(dtype, device, nvfp4=()):
 
 REFERENCE_OPS = SimpleNamespace(add_norm_linear=add_norm_linear_ref, add_norm_swiglu=add_norm_swiglu_ref,
                                 linear=linear_ref, attention_decode=attention_decode_ref, moe_experts=moe_experts_ref,
-                                sink_attention=sink_attention_ref)
+                                qk_norm_rope=qk_norm_rope_ref, sink_attention=sink_attention_ref)
 
 
 MAX_DECODE_BATCH = 64   # sequences per decode step (the decode kernels' row tiles, kernels._block_b)
@@ -359,7 +368,7 @@ def kernel_ops():
 
 def prefill_ops():
     """Ops for prompt chunks on the GPU, same names and signatures: the reference ops recomposed from cuBLAS GEMMs
-    (bf16 weights), Triton GEMMs (NVFP4 weights, dequantized in the main loop), torch norms and routing, Triton
+    (bf16 weights), Triton GEMMs (NVFP4 weights, dequantized in the main loop), Triton norms, torch routing, Triton
     flash attention with sinks and the routed experts as grouped GEMMs. Inputs of at most 64 rows (the last
     token's logits, short chunks) take the decode kernels' add_norm_linear instead of a GEMM."""
     import kernels
@@ -372,11 +381,11 @@ def prefill_ops():
     def add_norm_linear(x, dx, norm_w, w, eps, f32=False):
         if x.shape[0] <= 64:
             return kernels.add_norm_linear(x, dx, norm_w, w, eps, f32)
-        x, h = add_rms_norm_ref(x, dx, norm_w, eps)
+        x, h = kernels.add_rms_norm(x, dx, norm_w, eps)
         return x, h, linear(h, w, f32)
 
     def add_norm_swiglu(x, dx, norm_w, gate_up, eps):
-        x, h = add_rms_norm_ref(x, dx, norm_w, eps)
+        x, h = kernels.add_rms_norm(x, dx, norm_w, eps)
         return x, swiglu_ref(linear(h, gate_up))
 
     def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, norm_topk_prob):
@@ -387,7 +396,7 @@ def prefill_ops():
 
     return SimpleNamespace(add_norm_linear=add_norm_linear, add_norm_swiglu=add_norm_swiglu, linear=linear,
                            attention_decode=attention_decode_ref, moe_experts=moe_experts,
-                           sink_attention=kernels.sink_attention)
+                           qk_norm_rope=kernels.qk_norm_rope, sink_attention=kernels.sink_attention)
 
 
 class Attention(nn.Module):
@@ -420,10 +429,8 @@ class Attention(nn.Module):
         B, T = pos.shape
         H, G, D = self.n_heads, self.n_kv_heads, self.head_dim
         q, k, v = qkv.view(B, T, H + 2 * G, D).split([H, G, G], dim=2)  # [B, T, n, D]
-        q, k = rms_norm_ref(q, self.q_norm, self.eps), rms_norm_ref(k, self.k_norm, self.eps)  # rounded
-        if self.window:
-            cos, sin = rope[0][pos], rope[1][pos]                        # [B, T, D/2]
-            q, k = rope_ref(q, cos, sin), rope_ref(k, cos, sin)
+        cos, sin = (rope[0][pos], rope[1][pos]) if self.window else (None, None)  # [B, T, D/2]
+        q, k = ops.qk_norm_rope(q, k, self.q_norm, self.k_norm, cos, sin, self.eps)
         if cache is None:                                                # attend within the new tokens
             ks, vs, k_pos = k, v, pos
         else:

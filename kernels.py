@@ -10,6 +10,7 @@ Prompt chunks (flint.prefill_ops):
 - sink_attention: flash attention with sinks over keys named by their positions, causal and sliding-window.
 - experts: the routed experts of many tokens as grouped GEMMs over tokens sorted by expert.
 - matmul: GEMM for NVFP4 weights (bf16 ones go to cuBLAS).
+- add_rms_norm, qk_norm_rope: the norms (and RoPE) of the chunk's rows, one pass each.
 
 Weights are bf16 [N, K] or NVFP4 (flint.NVFP4: nibble plane [N, K/2], e4m3 scales [N, K/16], fp32 row scale),
 dequantized in registers (no FP4 tensor cores on SM90). Every product is exact in fp32 and sums accumulate in fp32,
@@ -557,6 +558,73 @@ def sink_attention(q, k, v, sinks, q_pos, k_pos, window):
         k_pos.stride(0),
         H=H, G=G, D=D, WINDOW=window, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, num_warps=8)
     return o
+
+
+# -----------------------------------------------------------------------------
+# Prompt chunks: residual add + RMSNorm, and q/k RMSNorm + RoPE, one pass over the rows each
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, dx_ptr, w_ptr, s_ptr, h_ptr, C, eps, ADD: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program row: s = x (+ dx) in fp32; stores bf16(s) and bf16(s / rms(s) * w)."""
+    offs = tl.arange(0, BLOCK_C)
+    mask = offs < C
+    row = tl.program_id(0).to(tl.int64) * C
+    s = _load_f32(x_ptr + row + offs, mask)
+    if ADD:
+        s += _load_f32(dx_ptr + row + offs, mask)
+    rstd = 1.0 / tl.sqrt(tl.sum(s * s, 0) / C + eps)
+    tl.store(s_ptr + row + offs, _to_bf16(s), mask=mask)
+    tl.store(h_ptr + row + offs, _to_bf16(s * rstd * _load_f32(w_ptr + offs, mask)), mask=mask)
+
+
+def add_rms_norm(x, dx, w, eps):
+    """x, dx [N, C] bf16 (dx may be None) -> (bf16(x + dx), rmsnorm(x + dx) * w), as add_rms_norm_ref."""
+    N, C = x.shape
+    assert x.is_contiguous() and x.dtype == torch.bfloat16 and (dx is None or dx.is_contiguous())
+    s, h = torch.empty_like(x), torch.empty_like(x)
+    _add_rms_norm_kernel[(N,)](x, x if dx is None else dx, w, s, h, C, eps, ADD=dx is not None,
+                               BLOCK_C=triton.next_power_of_2(C), num_warps=4)
+    return s, h
+
+
+@triton.jit
+def _heads_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, n, stride_x, eps,
+                            ROPE: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program (row, block of heads): heads [n, D] of row (stride_x apart) RMS-normalized with the shared weight
+    and rounded, then on sliding layers rotated by the row's cos, sin (halves d, d + D/2) and rounded again."""
+    HALF: tl.constexpr = D // 2
+    row = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HALF)
+    mask = (heads < n)[:, None] & (d < HALF)[None, :]
+    lo = x_ptr + row * stride_x + heads[:, None] * D + d[None, :]
+    a, b = _load_f32(lo, mask), _load_f32(lo + HALF, mask)
+    rstd = (1.0 / tl.sqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / D + eps))[:, None]
+    a = _round_bf16(a * rstd * tl.load(w_ptr + d).to(tl.float32)[None, :])
+    b = _round_bf16(b * rstd * tl.load(w_ptr + HALF + d).to(tl.float32)[None, :])
+    if ROPE:
+        c, s = tl.load(cos_ptr + row * HALF + d)[None, :], tl.load(sin_ptr + row * HALF + d)[None, :]
+        a, b = a * c - b * s, b * c + a * s
+    out = y_ptr + (row * n + heads[:, None]) * D + d[None, :]
+    tl.store(out, _to_bf16(a), mask=mask)
+    tl.store(out + HALF, _to_bf16(b), mask=mask)
+
+
+def qk_norm_rope(q, k, q_norm, k_norm, cos, sin, eps):
+    """q [B, T, H, D], k [B, T, G, D] bf16 (views into the qkv rows) -> contiguous q, k, as qk_norm_rope_ref."""
+    out = []
+    for x, w in ((q, q_norm), (k, k_norm)):
+        B, T, n, D = x.shape
+        assert x.stride(0) == T * x.stride(1) and x.stride(2) == D and x.stride(3) == 1, "rows of packed heads"
+        y = torch.empty(B, T, n, D, device=x.device, dtype=x.dtype)
+        BLOCK_H = min(8 if INTERPRET else 32, triton.next_power_of_2(n))   # (two blocks in the tests)
+        rope = cos is not None
+        _heads_norm_rope_kernel[(B * T, triton.cdiv(n, BLOCK_H))](
+            x, w, cos.contiguous() if rope else w, sin.contiguous() if rope else w, y, n, x.stride(1), eps,
+            ROPE=rope, D=D, BLOCK_H=BLOCK_H, num_warps=4)
+        out.append(y)
+    return tuple(out)
 
 
 # -----------------------------------------------------------------------------

@@ -1217,6 +1217,30 @@ def test_matmul_kernel(nvfp4):
     close(got, flint.linear_f32(x, w))
 
 
+def test_prompt_norm_kernels():
+    """Prefill norms: residual add + RMSNorm rows (odd width, with and without the add), and per-head q/k RMSNorm
+    + RoPE on q/k views into qkv rows (10 heads: two head blocks, one partial), with and without RoPE. Each output
+    is the reference's, or one bf16 ulp from it (the kernels sum squares in another order)."""
+    def ulp_close(got, want):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        err = (got.float() - want.float()).abs()
+        assert (err <= want.float().abs() * 2**-7).all() and (err == 0).float().mean() > 0.9
+
+    x, dx, w = rand_act(5, 96, seed=1), rand_act(5, 96, seed=2), rand_act(96, seed=3)
+    for d in (dx, None):
+        for got, want in zip(kernels.add_rms_norm(x, d, w, 1e-6), flint.add_rms_norm_ref(x, d, w, 1e-6)):
+            ulp_close(got, want)
+    B, T, H, G, D = 2, 3, 10, 2, 32
+    q, k, _ = rand_act(B, T, H + 2 * G, D, seed=4).split([H, G, G], dim=2)
+    q_norm, k_norm = rand_act(D, seed=5), rand_act(D, seed=6)
+    ang = torch.rand(B, T, D // 2, generator=torch.Generator().manual_seed(7)).to(DEV) * 6
+    for cos, sin in ((ang.cos(), ang.sin()), (None, None)):
+        got = kernels.qk_norm_rope(q, k, q_norm, k_norm, cos, sin, 1e-6)
+        for g, w_ in zip(got, flint.qk_norm_rope_ref(q, k, q_norm, k_norm, cos, sin, 1e-6)):
+            assert g.is_contiguous()
+            ulp_close(g, w_)
+
+
 @pytest.mark.parametrize("nvfp4", [False, True])
 def test_experts_grouped_kernel(nvfp4):
     """Prefill experts as grouped GEMMs: 40 tokens x top-3 of 8 experts, one expert chosen by none, one by most
@@ -1311,7 +1335,7 @@ def test_prefill_kernels_match_reference_path(nvfp4):
     cache = flint.KVCache(model.cfg, B, T, torch.bfloat16, DEV)
     for a, b in chunks:
         model(ids[:, a:b], pos[:, a:b], cache)
-    assert set(worst) >= {"sink_attention[0]", "moe_experts[0]"}, worst
+    assert set(worst) >= {"sink_attention[0]", "moe_experts[0]", "qk_norm_rope[0]", "qk_norm_rope[1]"}, worst
     well_conditioned(model)
     model.prefill_ops = flint.REFERENCE_OPS
     full = model(ids, pos)
