@@ -687,8 +687,13 @@ def logits_to_probs(logits, temperature=1.0, top_k=0, top_p=1.0):
 
 def sample(logits, temperature=1.0, top_k=0, top_p=1.0):
     """Next token ids [B] from fp32 logits [B, V]. Temperature 0 is greedy; otherwise the exponential race
-    argmax(p / Exp(1)) draws from p without a host sync (gpt-fast, nano-vllm)."""
+    argmax(p / Exp(1)) draws from p without a host sync (gpt-fast, nano-vllm). With top-k, only the k best logits
+    go on (the others' probabilities are 0): no sort or random draw over the whole vocabulary."""
     if temperature == 0:
         return logits.argmax(-1)
-    probs = logits_to_probs(logits, temperature, top_k, top_p)
-    return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1)
+    ids = None
+    if 0 < top_k < logits.shape[-1]:
+        logits, ids = torch.topk(logits, top_k, dim=-1)                  # [B, k]
+    probs = logits_to_probs(logits, temperature, 0, top_p)
+    pick = (probs / torch.empty_like(probs).exponential_(1)).argmax(-1)
+    return pick if ids is None else ids.gather(-1, pick[:, None])[:, 0]

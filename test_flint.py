@@ -211,6 +211,11 @@ def test_sampling():
     draws = flint.sample(logits.expand(4000, 4), 1.0)
     freq = torch.bincount(draws, minlength=4).float() / draws.numel()
     assert torch.allclose(freq, torch.softmax(logits[0], -1), atol=0.03)
+    draws = flint.sample(logits.expand(4000, 4), 1.0, top_k=2)            # only ids 1 and 3, as e^3 : e^2
+    freq = torch.bincount(draws, minlength=4).float() / draws.numel()
+    assert torch.allclose(freq, flint.logits_to_probs(logits, 1.0, top_k=2)[0], atol=0.03) and freq[[0, 2]].sum() == 0
+    draws = flint.sample(logits.expand(100, 4), 1.0, top_k=3, top_p=0.5)  # top-p after top-k: the top token only
+    assert (draws == 1).all()
 
 
 def test_config_validation():
