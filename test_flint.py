@@ -1130,6 +1130,9 @@ def test_add_norm_linear_kernel(B, nvfp4):
             for g, r in zip(got, want):
                 close(g, r)
     close(kernels.linear(x, w), flint.linear_ref(x, w))
+    w48 = rand_weight(48, K, nvfp4=nvfp4, seed=5)          # whole tiles (at B = 1: the unmasked EVEN path)
+    for g, r in zip(kernels.add_norm_linear(x, dx, nw, w48, 1e-6), flint.add_norm_linear_ref(x, dx, nw, w48, 1e-6)):
+        close(g, r)
     swiglu_w = rand_weight(2 * N, K, nvfp4=nvfp4, seed=4)
     for g, r in zip(kernels.add_norm_swiglu(x, dx, nw, swiglu_w, 1e-6),
                     flint.add_norm_swiglu_ref(x, dx, nw, swiglu_w, 1e-6)):
