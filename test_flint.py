@@ -1225,6 +1225,81 @@ def test_matmul_kernel(nvfp4):
     close(got, flint.linear_f32(x, w))
 
 
+def compile_kernels_for_sm90():
+    """Every kernel wrapper on CPU tensors of Flint's shapes (bf16 and NVFP4 weights, 1 and 64 rows, sliding and
+    full attention, prompt chunks), with each launch replaced by compiling the kernel for sm_90 with the tiles the GPU
+    gets (triton.compile; ptxas ships with triton). Returns the kernels built. Run without the interpreter."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.jit import JITFunction
+    assert not kernels.INTERPRET
+    types = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv",
+             torch.int32: "i32", torch.int64: "i64"}
+    built = []
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        values = dict(zip(self.arg_names, args), **{k: v for k, v in kwargs.items() if k in self.arg_names})
+        sig, consts, attrs = {}, {}, {}
+        for i, (name, param) in enumerate(zip(self.arg_names, self.params)):
+            v = values[name]
+            if param.is_constexpr:
+                sig[name], consts[name] = "constexpr", v
+            elif torch.is_tensor(v):
+                sig[name] = "*" + types[v.dtype]
+                aligned = v.data_ptr() % 16 == 0                         # as triton's JIT specializes
+            else:
+                sig[name] = "fp32" if isinstance(v, float) else "i64" if abs(v) >= 2**31 else "i32"
+                aligned = isinstance(v, int) and v % 16 == 0
+            if not param.is_constexpr and aligned:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
+        triton.compile(triton.compiler.ASTSource(self, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=options)
+        built.append(self.__name__)
+
+    JITFunction.run = compile_only
+    cfg = flint.Config(rope_theta=1e4)
+    C, H, G, D, E, A = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, 256, 6
+    I, S, F_ = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.intermediate_size
+    bf = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16)      # noqa: E731  (never touched: lazy pages)
+    for nvfp4 in (False, True):
+        W = flint.NVFP4.empty if nvfp4 else bf
+        for B in (1, 64):
+            x, nw = bf(B, C), bf(C)
+            kernels.add_norm_linear(x, x, nw, W((H + 2 * G) * D, C), 1e-6)
+            kernels.linear(bf(B, H * D), W(C, H * D))
+            kernels.add_norm_swiglu(x, x, nw, W(2 * F_, C), 1e-6)
+            kernels.add_norm_linear(x, x, nw, W(32768, C), 1e-6, f32=True)   # lm_head tiles (N >= 32768)
+            kernels.moe_experts(x, bf(B, E), W(E, 2 * I, C), W(E, C, I), W(2 * S, C), W(C, S), A, True)
+        routing = torch.rand(64, A).to(torch.bfloat16), torch.randint(0, E, (64, A))
+        kernels.experts(bf(64, C), *routing, W(E, 2 * I, C), W(E, C, I))
+        kernels.matmul(bf(256, C), W((H + 2 * G) * D, C))
+    kernels.add_norm_linear(bf(1, C), None, bf(C), bf(E, C), 1e-6)  # router
+    cos, sin = flint.rope_table(cfg, 1024, "cpu")
+    for B, window, slots in ((1, 513, 513), (1, 0, 1024), (64, 513, 513)):
+        k = bf(B, slots, G, D)
+        kernels.attention_decode(bf(B, (H + 2 * G) * D), bf(D), bf(D), torch.zeros(H), cos, sin, k, k,
+                                 torch.zeros(B, dtype=torch.long), window, 1e-6)
+        q_pos, k_pos = torch.arange(256)[None], torch.arange(512)[None]
+        kernels.sink_attention(bf(1, 256, H, D), bf(1, 512, G, D), bf(1, 512, G, D), torch.zeros(H), q_pos, k_pos,
+                               window)
+    kernels.add_rms_norm(bf(256, C), bf(256, C), bf(C), 1e-6)
+    q, k, _ = bf(1, 256, H + 2 * G, D).split([H, G, G], dim=2)
+    kernels.qk_norm_rope(q, k, bf(D), bf(D), cos[None, :256], sin[None, :256], 1e-6)
+    return built
+
+
+def test_kernels_compile_for_sm90():
+    """The kernels compile for the H200 (sm_90) at Flint's shapes and the GPU's tiles, here on the CPU: a kernel
+    that would fail to build on the GPU fails here first (with this machine's triton)."""
+    code = "import json, test_flint; print(json.dumps(test_flint.compile_kernels_for_sm90()))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE,
+                       env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    built = set(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert built == {name for name in dir(kernels) if name.endswith("_kernel")}, built
+
+
 def test_prompt_norm_kernels():
     """Prefill norms: residual add + RMSNorm rows (odd width, with and without the add), and per-head q/k RMSNorm
     + RoPE on q/k views into qkv rows (10 heads: two head blocks, one partial), with and without RoPE. Each output
