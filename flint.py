@@ -368,7 +368,7 @@ def kernel_ops():
 
 def prefill_ops():
     """Ops for prompt chunks on the GPU, same names and signatures: the reference ops recomposed from cuBLAS GEMMs
-    (bf16 weights), Triton GEMMs (NVFP4 weights, dequantized in the main loop), Triton norms, torch routing, Triton
+    (bf16 weights), Triton GEMMs (NVFP4 weights, dequantized in the main loop), Triton norms and routing, Triton
     flash attention with sinks and the routed experts as grouped GEMMs. Inputs of at most 64 rows (the last
     token's logits, short chunks) take the decode kernels' add_norm_linear instead of a GEMM."""
     import kernels
@@ -389,7 +389,7 @@ def prefill_ops():
         return x, swiglu_ref(linear(h, gate_up))
 
     def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, norm_topk_prob):
-        weights, experts = route_ref(logits, top_k, norm_topk_prob)
+        weights, experts = kernels.route(logits, top_k, norm_topk_prob)
         routed = kernels.experts(h, weights, experts, gate_up, down)
         shared = linear(swiglu_ref(linear(h, shared_gate_up)), shared_down)
         return (routed.float() + shared.float()).to(h.dtype)

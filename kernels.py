@@ -10,7 +10,7 @@ Prompt chunks (flint.prefill_ops):
 - sink_attention: flash attention with sinks over keys named by their positions, causal and sliding-window.
 - experts: the routed experts of many tokens as grouped GEMMs over tokens sorted by expert.
 - matmul: GEMM for NVFP4 weights (bf16 ones go to cuBLAS).
-- add_rms_norm, qk_norm_rope: the norms (and RoPE) of the chunk's rows, one pass each.
+- add_rms_norm, qk_norm_rope, route: the norms (and RoPE) and the routing of the chunk's rows, one pass each.
 
 Weights are bf16 [N, K] or NVFP4 (flint.NVFP4: nibble plane [N, K/2], e4m3 scales [N, K/16], fp32 row scale),
 dequantized in registers (no FP4 tensor cores on SM90). Every product is exact in fp32 and sums accumulate in fp32,
@@ -665,6 +665,28 @@ def _route(logits_ptr, b, E: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr,
     if NORM_TOPK:
         w = w / (tl.sum(w, 0) + 1e-20)
     return ids, _round_bf16(w)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, ids_ptr, wts_ptr, E: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr,
+                  NORM_TOPK: tl.constexpr):
+    """Program token b: its top-A experts and their weights (prompt chunks; decode routes inside the MoE kernel)."""
+    b = tl.program_id(0).to(tl.int64)
+    ids, wts = _route(logits_ptr, b, E, A, A_PAD, NORM_TOPK)
+    offs_a = tl.arange(0, A_PAD)
+    tl.store(ids_ptr + b * A + offs_a, ids.to(tl.int64), mask=offs_a < A)
+    tl.store(wts_ptr + b * A + offs_a, _to_bf16(wts), mask=offs_a < A)
+
+
+def route(logits, top_k, norm_topk_prob):
+    """Router logits [N, E] bf16 -> (weights [N, A] bf16, experts [N, A] int64), as route_ref."""
+    N, E = logits.shape
+    assert logits.is_contiguous() and logits.dtype == torch.bfloat16 and E == triton.next_power_of_2(E)
+    experts = torch.empty(N, top_k, device=logits.device, dtype=torch.int64)
+    weights = torch.empty(N, top_k, device=logits.device, dtype=torch.bfloat16)
+    _route_kernel[(N,)](logits, experts, weights, E=E, A=top_k, A_PAD=triton.next_power_of_2(top_k),
+                        NORM_TOPK=norm_topk_prob, num_warps=4)
+    return weights, experts
 
 
 @triton.jit

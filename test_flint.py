@@ -1271,6 +1271,7 @@ def compile_kernels_for_sm90():
             kernels.add_norm_swiglu(x, x, nw, W(2 * F_, C), 1e-6)
             kernels.add_norm_linear(x, x, nw, W(32768, C), 1e-6, f32=True)   # lm_head tiles (N >= 32768)
             kernels.moe_experts(x, bf(B, E), W(E, 2 * I, C), W(E, C, I), W(2 * S, C), W(C, S), A, True)
+        kernels.route(bf(64, E), A, True)                               # (compiled, not run: ids below)
         routing = torch.rand(64, A).to(torch.bfloat16), torch.randint(0, E, (64, A))
         kernels.experts(bf(64, C), *routing, W(E, 2 * I, C), W(E, C, I))
         kernels.matmul(bf(256, C), W((H + 2 * G) * D, C))
@@ -1298,6 +1299,18 @@ def test_kernels_compile_for_sm90():
     assert r.returncode == 0, r.stderr[-3000:]
     built = set(json.loads(r.stdout.strip().splitlines()[-1]))
     assert built == {name for name in dir(kernels) if name.endswith("_kernel")}, built
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_route_kernel(norm):
+    """Prefill routing: the same experts as route_ref (ties included: lowest index first) and the same weights
+    (to one bf16 ulp: sigmoid in another library)."""
+    logits = rand_act(37, 16, seed=8)
+    logits[:5, 3:9] = 2.5                                               # six-way ties for the top 3
+    w, e = kernels.route(logits, 3, norm)
+    w_ref, e_ref = flint.route_ref(logits, 3, norm)
+    assert torch.equal(e, e_ref) and w.dtype == w_ref.dtype
+    assert ((w.float() - w_ref.float()).abs() <= w_ref.float().abs() * 2**-7).all()
 
 
 def test_prompt_norm_kernels():
