@@ -89,7 +89,6 @@ def time_steps(step, B, ctx, dev, iters):
     """Median seconds of one decode step at position ctx."""
     ids = torch.randint(0, step.model.cfg.vocab_size, (B,), device=dev)
     pos = torch.full((B,), ctx, device=dev)
-    step(ids, pos)
     return timed(lambda: step(ids, pos), dev, iters)
 
 

@@ -369,8 +369,8 @@ def kernel_ops():
 def prefill_ops():
     """Ops for prompt chunks on the GPU, same names and signatures: the reference ops recomposed from cuBLAS GEMMs
     (bf16 weights), Triton GEMMs (NVFP4 weights, dequantized in the main loop), Triton norms and routing, Triton
-    flash attention with sinks and the routed experts as grouped GEMMs. Inputs of at most 64 rows (the last
-    token's logits, short chunks) take the decode kernels' add_norm_linear instead of a GEMM."""
+    flash attention with sinks and the routed experts as grouped GEMMs. Inputs of at most MAX_DECODE_BATCH rows (the
+    last token's logits, short chunks) take the decode kernels' add_norm_linear instead of a GEMM."""
     import kernels
 
     def linear(x, w, f32=False):
@@ -379,7 +379,7 @@ def prefill_ops():
         return linear_f32(x, w) if f32 else F.linear(x, w)
 
     def add_norm_linear(x, dx, norm_w, w, eps, f32=False):
-        if x.shape[0] <= 64:
+        if x.shape[0] <= MAX_DECODE_BATCH:
             return kernels.add_norm_linear(x, dx, norm_w, w, eps, f32)
         x, h = kernels.add_rms_norm(x, dx, norm_w, eps)
         return x, h, linear(h, w, f32)

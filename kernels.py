@@ -184,6 +184,33 @@ def _row_rstd(x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD: tl.constexpr, BLO
     return 1.0 / tl.sqrt(ss / K + eps)                  # matches torch.rsqrt to an ulp
 
 
+@triton.jit
+def _norm_rope(a, b, w_ptr, cos, sin, eps, D: tl.constexpr, ROPE: tl.constexpr):
+    """Halves a, b [..., D/2] (dims d and d + D/2) of heads, fp32: RMS-normalized over each head with the shared
+    weight w and rounded, then (ROPE) NeoX-rotated by cos, sin [D/2] from the fp32 table and rounded again."""
+    d = tl.arange(0, D // 2)
+    rstd = tl.expand_dims(1.0 / tl.sqrt((tl.sum(a * a, -1) + tl.sum(b * b, -1)) / D + eps), -1)
+    a = _round_bf16(a * rstd * tl.load(w_ptr + d).to(tl.float32))
+    b = _round_bf16(b * rstd * tl.load(w_ptr + D // 2 + d).to(tl.float32))
+    if ROPE:
+        a, b = _round_bf16(a * cos - b * sin), _round_bf16(b * cos + a * sin)
+    return a, b
+
+
+@triton.jit
+def _store_add_norm(x_ptr, dx_ptr, nw_ptr, rstd, x_out_ptr, h_out_ptr, offs_b, B, K, stride_b,
+                    ADD: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """Store bf16(x + dx) and h = bf16(rmsnorm(x + dx) * nw) of input rows offs_b (outputs: rows of K)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        mask = (offs_b[:, None] < B) & (k0 + offs_k[None, :] < K)
+        off = offs_b[:, None] * K + k0 + offs_k[None, :]
+        s = _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, k0 + offs_k, B, K, stride_b, ADD, False, EVEN)
+        h = _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, k0 + offs_k, B, K, stride_b, ADD, True, EVEN)
+        tl.store(x_out_ptr + off, _to_bf16(s), mask=mask)
+        tl.store(h_out_ptr + off, _to_bf16(h), mask=mask)
+
+
 def _weight_args(w):
     """(main pointer, scale pointer, row-scale pointer, is_nvfp4) for a bf16 tensor or a flint.NVFP4."""
     if hasattr(w, "packed"):
@@ -254,14 +281,8 @@ def _linear_kernel(
     if NORM:
         rstd = _row_rstd(x_ptr, dx_ptr, offs_b, B, K, stride_xb, eps, ADD, BLOCK_B, BLOCK_K, EVEN)
         if pid == 0:                                                  # one program stores x + dx and h
-            offs_k = tl.arange(0, BLOCK_K)
-            for k0 in range(0, K, BLOCK_K):
-                mask = (offs_b[:, None] < B) & (k0 + offs_k[None, :] < K)
-                off = offs_b[:, None] * K + k0 + offs_k[None, :]
-                s = _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, k0 + offs_k, B, K, stride_xb, ADD, False, EVEN)
-                h = _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, k0 + offs_k, B, K, stride_xb, ADD, True, EVEN)
-                tl.store(x_out_ptr + off, _to_bf16(s), mask=mask)
-                tl.store(h_out_ptr + off, _to_bf16(h), mask=mask)
+            _store_add_norm(x_ptr, dx_ptr, nw_ptr, rstd, x_out_ptr, h_out_ptr, offs_b, B, K, stride_xb,
+                            ADD, BLOCK_K, EVEN)
     N_out = N // 2 if SWIGLU else N
     acc = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
     acc = _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_xb, w_ptr, s_ptr, offs_n, N_out, K,
@@ -355,17 +376,11 @@ def _attention_decode_kernel(
     q1, q2 = _load_f32(q_ptr, rmask), _load_f32(q_ptr + HALF, rmask)
     k_ptr = row + (H + g) * D + offs_d
     k1, k2 = _load_f32(k_ptr, offs_d < HALF), _load_f32(k_ptr + HALF, offs_d < HALF)
-    rq = 1.0 / tl.sqrt((tl.sum(q1 * q1, 1) + tl.sum(q2 * q2, 1)) / D + eps)
-    rk = 1.0 / tl.sqrt((tl.sum(k1 * k1, 0) + tl.sum(k2 * k2, 0)) / D + eps)
-    wq1, wq2 = _load_f32(qn_ptr + offs_d, offs_d < HALF), _load_f32(qn_ptr + HALF + offs_d, offs_d < HALF)
-    wk1, wk2 = _load_f32(kn_ptr + offs_d, offs_d < HALF), _load_f32(kn_ptr + HALF + offs_d, offs_d < HALF)
-    q1, q2 = _round_bf16(q1 * rq[:, None] * wq1[None, :]), _round_bf16(q2 * rq[:, None] * wq2[None, :])
-    k1, k2 = _round_bf16(k1 * rk * wk1), _round_bf16(k2 * rk * wk2)
+    cos, sin = tl.zeros([HALF], dtype=tl.float32), tl.zeros([HALF], dtype=tl.float32)  # full: no RoPE
     if WINDOW > 0:
-        cos = tl.load(cos_ptr + p * HALF + offs_d)
-        sin = tl.load(sin_ptr + p * HALF + offs_d)
-        q1, q2 = _round_bf16(q1 * cos[None, :] - q2 * sin[None, :]), _round_bf16(q2 * cos[None, :] + q1 * sin[None, :])
-        k1, k2 = _round_bf16(k1 * cos - k2 * sin), _round_bf16(k2 * cos + k1 * sin)
+        cos, sin = tl.load(cos_ptr + p * HALF + offs_d), tl.load(sin_ptr + p * HALF + offs_d)
+    q1, q2 = _norm_rope(q1, q2, qn_ptr, cos, sin, eps, D, WINDOW > 0)
+    k1, k2 = _norm_rope(k1, k2, kn_ptr, cos, sin, eps, D, WINDOW > 0)
     offs_v = tl.arange(0, D)
     v = _load_f32(row + (H + G + g) * D + offs_v, offs_v < D)
 
@@ -581,17 +596,12 @@ def sink_attention(q, k, v, sinks, q_pos, k_pos, window):
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, dx_ptr, w_ptr, s_ptr, h_ptr, C, eps, ADD: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Program row: s = x (+ dx) in fp32; stores bf16(s) and bf16(s / rms(s) * w)."""
-    offs = tl.arange(0, BLOCK_C)
-    mask = offs < C
-    row = tl.program_id(0).to(tl.int64) * C
-    s = _load_f32(x_ptr + row + offs, mask)
-    if ADD:
-        s += _load_f32(dx_ptr + row + offs, mask)
-    rstd = 1.0 / tl.sqrt(tl.sum(s * s, 0) / C + eps)
-    tl.store(s_ptr + row + offs, _to_bf16(s), mask=mask)
-    tl.store(h_ptr + row + offs, _to_bf16(s * rstd * _load_f32(w_ptr + offs, mask)), mask=mask)
+def _add_rms_norm_kernel(x_ptr, dx_ptr, w_ptr, s_ptr, h_ptr, N, C, eps,
+                         ADD: tl.constexpr, BLOCK_C: tl.constexpr, EVEN: tl.constexpr):
+    """Program row: the residual add + RMSNorm that add_norm_linear's first program stores, for one row."""
+    row = tl.program_id(0) + tl.arange(0, 1)
+    rstd = _row_rstd(x_ptr, dx_ptr, row, N, C, C, eps, ADD, 1, BLOCK_C, EVEN)
+    _store_add_norm(x_ptr, dx_ptr, w_ptr, rstd, s_ptr, h_ptr, row, N, C, C, ADD, BLOCK_C, EVEN)
 
 
 def add_rms_norm(x, dx, w, eps):
@@ -599,29 +609,27 @@ def add_rms_norm(x, dx, w, eps):
     N, C = x.shape
     assert x.is_contiguous() and x.dtype == torch.bfloat16 and (dx is None or dx.is_contiguous())
     s, h = torch.empty_like(x), torch.empty_like(x)
-    _add_rms_norm_kernel[(N,)](x, x if dx is None else dx, w, s, h, C, eps, ADD=dx is not None,
-                               BLOCK_C=triton.next_power_of_2(C), num_warps=4)
+    BLOCK_C = triton.next_power_of_2(C)
+    _add_rms_norm_kernel[(N,)](x, x if dx is None else dx, w, s, h, N, C, eps, ADD=dx is not None,
+                               BLOCK_C=BLOCK_C, EVEN=BLOCK_C == C, num_warps=4)
     return s, h
 
 
 @triton.jit
 def _heads_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, n, stride_x, eps,
                             ROPE: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Program (row, block of heads): heads [n, D] of row (stride_x apart) RMS-normalized with the shared weight
-    and rounded, then on sliding layers rotated by the row's cos, sin (halves d, d + D/2) and rounded again."""
+    """Program (row, block of heads): _norm_rope of the heads [n, D] of a row (stride_x apart), at the row's cos,
+    sin on sliding layers; y [rows, n, D]."""
     HALF: tl.constexpr = D // 2
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, HALF)
     mask = (heads < n)[:, None] & (d < HALF)[None, :]
     lo = x_ptr + row * stride_x + heads[:, None] * D + d[None, :]
-    a, b = _load_f32(lo, mask), _load_f32(lo + HALF, mask)
-    rstd = (1.0 / tl.sqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / D + eps))[:, None]
-    a = _round_bf16(a * rstd * tl.load(w_ptr + d).to(tl.float32)[None, :])
-    b = _round_bf16(b * rstd * tl.load(w_ptr + HALF + d).to(tl.float32)[None, :])
+    cos, sin = tl.zeros([HALF], dtype=tl.float32), tl.zeros([HALF], dtype=tl.float32)  # full: no RoPE
     if ROPE:
-        c, s = tl.load(cos_ptr + row * HALF + d)[None, :], tl.load(sin_ptr + row * HALF + d)[None, :]
-        a, b = a * c - b * s, b * c + a * s
+        cos, sin = tl.load(cos_ptr + row * HALF + d), tl.load(sin_ptr + row * HALF + d)
+    a, b = _norm_rope(_load_f32(lo, mask), _load_f32(lo + HALF, mask), w_ptr, cos, sin, eps, D, ROPE)
     out = y_ptr + (row * n + heads[:, None]) * D + d[None, :]
     tl.store(out, _to_bf16(a), mask=mask)
     tl.store(out + HALF, _to_bf16(b), mask=mask)
