@@ -347,39 +347,42 @@ REFERENCE_OPS = SimpleNamespace(add_norm_linear=add_norm_linear_ref, add_norm_sw
                                 qk_norm_rope=qk_norm_rope_ref, sink_attention=sink_attention_ref)
 
 
-MAX_DECODE_BATCH = 64   # sequences per decode step (the decode kernels' row tiles, kernels._block_b)
-GROUPED_MIN_BATCH = 32  # decode steps of this many sequences group the MoE's tokens by expert, as prompts do
+MAX_DECODE_BATCH = 64  # sequences per decode step (the decode kernels' row tiles, kernels._block_b)
+GEMM_MIN_ROWS = 32     # from this many rows (sequences of a decode step, tokens of a chunk) weights go through GEMMs
 
 
 def kernel_ops():
     """The Triton twins of REFERENCE_OPS (same names and signatures), for decode steps of up to MAX_DECODE_BATCH
-    sequences. From GROUPED_MIN_BATCH sequences up, the MoE runs as in prompt chunks (tokens grouped by expert): at
-    batch 64 the 384 (token, expert) pairs of a layer touch about 200 distinct experts, each then read once."""
+    sequences. From GEMM_MIN_ROWS sequences up, the ops with weights run as in prompt chunks (prefill_ops): GEMMs
+    read each weight tile once for all rows, and the MoE groups its tokens by expert (at batch 64 the 384 (token,
+    expert) pairs of a layer touch about 200 distinct experts, each then read once)."""
     import kernels
-    grouped = prefill_ops().moe_experts
+    gemm = prefill_ops()
 
-    def moe_experts(h, *args):
-        return (grouped if h.shape[0] >= GROUPED_MIN_BATCH else kernels.moe_experts)(h, *args)
+    def by_rows(name):
+        small, large = getattr(kernels, name), getattr(gemm, name)
+        return lambda x, *args, **kw: (large if x.shape[0] >= GEMM_MIN_ROWS else small)(x, *args, **kw)
 
     ops = SimpleNamespace(**{name: getattr(kernels, name) for name in vars(REFERENCE_OPS)})
-    ops.moe_experts = moe_experts
+    for name in ("add_norm_linear", "add_norm_swiglu", "linear", "moe_experts"):
+        setattr(ops, name, by_rows(name))
     return ops
 
 
 def prefill_ops():
     """Ops for prompt chunks on the GPU, same names and signatures: the reference ops recomposed from cuBLAS GEMMs
-    (bf16 weights), Triton GEMMs (NVFP4 weights, dequantized in the main loop), Triton norms and routing, Triton
-    flash attention with sinks and the routed experts as grouped GEMMs. Inputs of at most MAX_DECODE_BATCH rows (the
-    last token's logits, short chunks) take the decode kernels' add_norm_linear instead of a GEMM."""
+    (bf16 weights), Triton GEMMs (NVFP4 weights, fp32 outputs: dequantized in the main loop), Triton norms and
+    routing, Triton flash attention with sinks and the routed experts as grouped GEMMs. Inputs of fewer than
+    GEMM_MIN_ROWS rows (the last token's logits, short chunks) take the decode kernels' add_norm_linear."""
     import kernels
 
     def linear(x, w, f32=False):
-        if isinstance(w, NVFP4):
+        if isinstance(w, NVFP4) or f32:                             # (cuBLAS has no bf16 x bf16 -> fp32 GEMM)
             return kernels.matmul(x, w, f32)
-        return linear_f32(x, w) if f32 else F.linear(x, w)
+        return F.linear(x, w)
 
     def add_norm_linear(x, dx, norm_w, w, eps, f32=False):
-        if x.shape[0] <= MAX_DECODE_BATCH:
+        if x.shape[0] < GEMM_MIN_ROWS:
             return kernels.add_norm_linear(x, dx, norm_w, w, eps, f32)
         x, h = kernels.add_rms_norm(x, dx, norm_w, eps)
         return x, h, linear(h, w, f32)

@@ -461,8 +461,8 @@ def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, o_ptr,
 
 
 # splits of the sliding window, keys per split on full layers (4 to 128 splits), keys per step, warps: measured on
-# an H200
-ATTENTION = dict(sliding_splits=16, keys_per_split=1024, block_s=16, warps=8)
+# an H200 at batch 1; larger batches take fewer splits, down to ~`programs` programs in all
+ATTENTION = dict(sliding_splits=16, keys_per_split=1024, block_s=16, warps=8, programs=512)
 
 
 def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos, window, eps):
@@ -474,9 +474,10 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.bfloat16
     assert pos.shape == (B,) and sinks.dtype == torch.float32 and cos.dtype == torch.float32
     # enough programs to fill the GPU at batch 1 (4 kv heads); the interpreter runs programs one by one
-    t = dict(sliding_splits=2, keys_per_split=16, block_s=16, warps=4) if INTERPRET else ATTENTION
+    t = dict(sliding_splits=2, keys_per_split=16, block_s=16, warps=4, programs=8) if INTERPRET else ATTENTION
     NUM_SPLITS = t["sliding_splits"] if window else \
         max(4, min(128, triton.next_power_of_2(triton.cdiv(S, t["keys_per_split"]))))
+    NUM_SPLITS = min(NUM_SPLITS, triton.next_power_of_2(triton.cdiv(t["programs"], B * G)))  # (fewer partials)
     BLOCK_S, warps = t["block_s"], t["warps"]
     m = torch.empty(B, H, NUM_SPLITS, device=qkv.device, dtype=torch.float32)
     l = torch.empty_like(m)
