@@ -395,7 +395,7 @@ def prefill_ops():
         weights, experts = kernels.route(logits, top_k, norm_topk_prob)
         routed = kernels.experts(h, weights, experts, gate_up, down)
         shared = linear(swiglu_ref(linear(h, shared_gate_up)), shared_down)
-        return (routed.float() + shared.float()).to(h.dtype)
+        return routed + shared                                     # (bf16 + bf16: one fp32 add, one rounding)
 
     return SimpleNamespace(add_norm_linear=add_norm_linear, add_norm_swiglu=add_norm_swiglu, linear=linear,
                            attention_decode=attention_decode_ref, moe_experts=moe_experts,

@@ -851,9 +851,9 @@ def _grouped_block(blk_expert_ptr, blk_start_ptr, blk_end_ptr, blk, BLOCK_M: tl.
 @triton.jit
 def _grouped_gate_up_kernel(
     # pointers
-    x_ptr, tok_ptr, blk_expert_ptr, blk_start_ptr, blk_end_ptr, w_ptr, s_ptr, rs_ptr, act_ptr,
+    x_ptr, order_ptr, blk_expert_ptr, blk_start_ptr, blk_end_ptr, w_ptr, s_ptr, rs_ptr, act_ptr,
     # sizes
-    C, I,
+    C, I, A: tl.constexpr,
     # meta-parameters
     NVFP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -862,7 +862,7 @@ def _grouped_gate_up_kernel(
     expert, rows, end = _grouped_block(blk_expert_ptr, blk_start_ptr, blk_end_ptr, tl.program_id(0), BLOCK_M)
     if expert >= 0:
         e = expert.to(tl.int64)
-        tok = tl.load(tok_ptr + rows, mask=rows < end, other=0).to(tl.int64)   # past the end: any valid row
+        tok = tl.load(order_ptr + rows, mask=rows < end, other=0).to(tl.int64) // A  # past the end: row 0
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         row_bytes, row_scales = (C // 2, C // 16) if NVFP4 else (C, C)
@@ -971,22 +971,47 @@ def _gemm_tiles(kernel, nvfp4, rows, N, K):
     return BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
 
 
+@triton.jit
+def _expert_blocks_kernel(flat_ptr, order_ptr, blk_expert_ptr, blk_start_ptr, blk_end_ptr, R, n_blocks,
+                          E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    """Program e: the rows routed to expert e (flat [R]) go to order[before + rank] in row order (before: rows of
+    experts < e), and its blocks of BLOCK_M rows to slots e + before // BLOCK_M + j; the slots up to the next
+    expert's first one are spare (expert -1). (Expert e's cdiv(count, BLOCK_M) slots end at or before
+    e + 1 + (before + count) // BLOCK_M, where expert e + 1's begin, and the last one's before n_blocks.)"""
+    e = tl.program_id(0)
+    before, count = 0, 0
+    for r0 in range(0, R, BLOCK):
+        ex = tl.load(flat_ptr + r0 + tl.arange(0, BLOCK), mask=r0 + tl.arange(0, BLOCK) < R, other=E)
+        before += tl.sum((ex < e).to(tl.int32), 0)
+        count += tl.sum((ex == e).to(tl.int32), 0)
+    seen = 0
+    for r0 in range(0, R, BLOCK):
+        r = r0 + tl.arange(0, BLOCK)
+        hit = tl.load(flat_ptr + r, mask=r < R, other=E) == e
+        rank = seen + tl.cumsum(hit.to(tl.int32), 0) - 1
+        tl.store(order_ptr + before + rank, r, mask=hit)
+        seen += tl.sum(hit.to(tl.int32), 0)
+    first = e + before // BLOCK_M
+    mine = first + tl.cdiv(count, BLOCK_M)
+    nxt = tl.where(e == E - 1, n_blocks, e + 1 + (before + count) // BLOCK_M)
+    for j0 in range(first, nxt, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        tl.store(blk_expert_ptr + j, tl.where(j < mine, e, -1), mask=j < nxt)
+        tl.store(blk_start_ptr + j, before + (j - first) * BLOCK_M, mask=j < nxt)
+        tl.store(blk_end_ptr + j, before + count, mask=j < nxt)
+
+
 def _expert_blocks(flat, E, BLOCK_M):
-    """Cut the (token, slot) rows, sorted by expert, into blocks of one expert and at most BLOCK_M rows, without a
-    host sync: there are at most rows / BLOCK_M + E blocks, the spare ones have expert -1. Returns (order: the
-    sorted rows' (token, slot) index, block expert, start, end)."""
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(E, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
-    # (not torch.bincount: on CUDA it reads the largest id back to the host)
-    seg_end = counts.cumsum(0)
-    blocks = (counts + BLOCK_M - 1) // BLOCK_M                        # per expert (0 for an unused one)
-    blk_cum = blocks.cumsum(0)
-    j = torch.arange(triton.cdiv(flat.numel(), BLOCK_M) + E, device=flat.device)
-    e = torch.searchsorted(blk_cum, j, right=True)                    # expert of block j (E: spare)
-    ec = e.clamp(max=E - 1)
-    start = seg_end[ec] - counts[ec] + (j - (blk_cum[ec] - blocks[ec])) * BLOCK_M
-    blk_expert = torch.where(e < E, e, -1)
-    return order, blk_expert.to(torch.int32), start.to(torch.int32), seg_end[ec].to(torch.int32)
+    """Sort the (token, slot) rows by expert (stable) and cut them into blocks of one expert and at most BLOCK_M
+    rows, in one launch without a host sync: at most rows / BLOCK_M + E blocks, the spare ones of expert -1.
+    Returns int32 (order: the sorted rows' (token, slot) index, block expert, start, end)."""
+    R = flat.numel()
+    n_blocks = triton.cdiv(R, BLOCK_M) + E
+    order = torch.empty(R, device=flat.device, dtype=torch.int32)
+    blk_expert, blk_start, blk_end = torch.empty(3, n_blocks, device=flat.device, dtype=torch.int32)
+    _expert_blocks_kernel[(E,)](flat, order, blk_expert, blk_start, blk_end, R, n_blocks, E=E, BLOCK_M=BLOCK_M,
+                                BLOCK=min(1024, triton.next_power_of_2(max(R, BLOCK_M))), num_warps=4)
+    return order, blk_expert, blk_start, blk_end
 
 
 def experts(x, weights, experts, gate_up, down):
@@ -1004,17 +1029,16 @@ def experts(x, weights, experts, gate_up, down):
     rows_per_expert = N * A / E
     BM, BN, BK, warps, stages = _gemm_tiles("gate_up", nvfp4, rows_per_expert, I, C)
     order, blk_expert, blk_start, blk_end = _expert_blocks(experts.flatten(), E, BM)
-    tok = (order // A).to(torch.int32)
     act = torch.empty(N * A, I, device=x.device, dtype=torch.bfloat16)
     _grouped_gate_up_kernel[(blk_expert.numel(), I // BN)](
-        x, tok, blk_expert, blk_start, blk_end, wp, sp, rsp, act, C, I,
+        x, order, blk_expert, blk_start, blk_end, wp, sp, rsp, act, C, I, A=A,
         NVFP4=nvfp4, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages)
     BM2, BN, BK, warps, stages = _gemm_tiles("down", nvfp4, rows_per_expert, C, I)
     if BM2 != BM:
         _, blk_expert, blk_start, blk_end = _expert_blocks(experts.flatten(), E, BM2)
     y = torch.empty(N * A, C, device=x.device, dtype=torch.bfloat16)  # (token, slot) order
     _grouped_down_kernel[(blk_expert.numel(), C // BN)](
-        act, order.to(torch.int32), blk_expert, blk_start, blk_end, dwp, dsp, drsp, y, C, I,
+        act, order, blk_expert, blk_start, blk_end, dwp, dsp, drsp, y, C, I,
         NVFP4=nvfp4, BLOCK_M=BM2, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages)
     out = torch.empty_like(x)
     BLOCK_C = min(1024, triton.next_power_of_2(C))

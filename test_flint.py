@@ -1352,6 +1352,25 @@ def test_experts_grouped_kernel(nvfp4):
     close(kernels.experts(x, weights, experts, gate_up, down), flint.experts_ref(x, weights, experts, gate_up, down))
 
 
+@pytest.mark.parametrize("R,E,BLOCK_M", [(40, 8, 4), (1500, 16, 16), (5, 8, 16)])
+def test_expert_blocks_kernel(R, E, BLOCK_M):
+    """Rows sorted by expert as a stable sort does (1500 rows: several passes of the row loops), and each expert's
+    rows cut into blocks of at most BLOCK_M that cover them exactly once; the other slots are spare."""
+    flat = torch.randint(0, E, (R,), generator=torch.Generator().manual_seed(R))
+    flat[flat == 3] = 4                                                 # an expert nobody picks
+    order, expert, start, end = [t.cpu().long() for t in kernels._expert_blocks(flat.to(DEV), E, BLOCK_M)]
+    assert torch.equal(order, torch.argsort(flat, stable=True))
+    assert expert.numel() == -(-R // BLOCK_M) + E
+    covered = torch.zeros(R, dtype=torch.long)
+    for e, a, b in zip(expert.tolist(), start.tolist(), end.tolist()):
+        if e >= 0:
+            assert 0 <= a < b == int((flat <= e).sum()), (e, a, b)          # b: the end of e's rows
+            rows = order[a:min(b, a + BLOCK_M)]
+            assert (flat[rows] == e).all()
+            covered[rows] += 1
+    assert (covered == 1).all()
+
+
 def tiny_model(nvfp4=False, seed=0):
     cfg = flint.Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, moe_intermediate_size=32,
