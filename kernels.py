@@ -658,18 +658,22 @@ def qk_norm_rope(q, k, q_norm, k_norm, cos, sin, eps):
 
 @triton.jit
 def _route(logits_ptr, b, E: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr, NORM_TOPK: tl.constexpr):
-    """Top-A experts of token b by router logit (ties: lowest index) and their weights sigmoid / sum, [A_PAD]."""
+    """Top-A experts of token b by router logit (ties: lowest index) and their weights sigmoid / sum, [A_PAD].
+    One max per pick: an int32 key holds the bf16 logit's bits in its upper half (made to order like the values:
+    a negative one's magnitude bits flipped, -0 taken as +0) and 0xFFFF - expert in its lower half."""
     offs_e = tl.arange(0, E)
     r = tl.load(logits_ptr + b * E + offs_e).to(tl.float32)
+    bits = tl.where(r == 0.0, 0.0, r).to(tl.int32, bitcast=True)    # a bf16: the lower 16 bits are zero
+    key = (bits ^ ((bits >> 31) & 0x7FFF0000)) | (0xFFFF - offs_e)
     offs_a = tl.arange(0, A_PAD)
     ids = tl.zeros([A_PAD], dtype=tl.int32)
     vals = tl.zeros([A_PAD], dtype=tl.float32)
     for a in tl.static_range(A):
-        best = tl.max(r, 0)
-        e = tl.min(tl.where(r == best, offs_e, E), 0)                 # lowest index among equal logits
-        ids = tl.where(offs_a == a, e, ids)
-        vals = tl.where(offs_a == a, best, vals)
-        r = tl.where(offs_e == e, float("-inf"), r)
+        best = tl.max(key, 0)
+        top = best & -65536                                           # the logit's half, still order-flipped
+        ids = tl.where(offs_a == a, 0xFFFF - (best & 0xFFFF), ids)
+        vals = tl.where(offs_a == a, (top ^ ((top >> 31) & 0x7FFF0000)).to(tl.float32, bitcast=True), vals)
+        key = tl.where(key == best, -2147483648, key)                 # (keys are distinct: taken once)
     w = tl.where(offs_a < A, 1.0 / (1.0 + tl.exp(-vals)), 0.0)       # sigmoid of the chosen logits
     if NORM_TOPK:
         w = w / (tl.sum(w, 0) + 1e-20)
@@ -710,17 +714,19 @@ def _moe_gate_up_kernel(
 ):
     """Program (row block, slot j, token b): slot j < A is the token's j-th routed expert, slot A the shared one."""
     rb, j, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    ids, wts = _route(logits_ptr, b, E, A, A_PAD, NORM_TOPK)
-    offs_a = tl.arange(0, A_PAD)
-    if (rb == 0) & (j == 0):                                          # one program records the routing
-        tl.store(ids_ptr + b * A + offs_a, ids, mask=offs_a < A)
-        tl.store(wts_ptr + b * A + offs_a, wts, mask=offs_a < A)
     shared = j == A
     N = tl.where(shared, S_W, I)                                      # rows of gate (and of up) in this expert
     if rb * BLOCK_N < N:
         offs_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_b = tl.arange(0, 1)
-        e = tl.sum(tl.where(offs_a == j, ids, 0), 0).to(tl.int64)
+        e = (j * 0).to(tl.int64)
+        if j < A:                                                     # (the shared expert's loads need no routing)
+            ids, wts = _route(logits_ptr, b, E, A, A_PAD, NORM_TOPK)
+            offs_a = tl.arange(0, A_PAD)
+            if (rb == 0) & (j == 0):                                  # one program records the routing
+                tl.store(ids_ptr + b * A + offs_a, ids, mask=offs_a < A)
+                tl.store(wts_ptr + b * A + offs_a, wts, mask=offs_a < A)
+            e = tl.sum(tl.where(offs_a == j, ids, 0), 0).to(tl.int64)
         if NVFP4:
             row_bytes, row_scales = C // 2, C // 16
         else:

@@ -1308,6 +1308,11 @@ def test_route_kernel(norm):
     (to one bf16 ulp: sigmoid in another library)."""
     logits = rand_act(37, 16, seed=8)
     logits[:5, 3:9] = 2.5                                               # six-way ties for the top 3
+    logits[5] = 0.0
+    logits[5, ::3] = -0.0                                               # -0 and +0 tie
+    logits[6] = -3.0
+    logits[6, 9:13] = -1.5                                              # negative logits, ties among them
+    logits[7] = -logits[7].abs()                                        # all negative
     w, e = kernels.route(logits, 3, norm)
     w_ref, e_ref = flint.route_ref(logits, 3, norm)
     assert torch.equal(e, e_ref) and w.dtype == w_ref.dtype
