@@ -115,14 +115,26 @@ def _put_row(acc, part, offs_b, b):
 
 
 @triton.jit
+def _rstd_first(rstd, k0, x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD: tl.constexpr, BLOCK_B: tl.constexpr,
+                BLOCK_K: tl.constexpr, EVEN: tl.constexpr, RSTD: tl.constexpr):
+    """rstd, computed (RSTD) in the first step of a GEMV's loop, after its weight loads were issued."""
+    if RSTD:
+        if k0 == 0:
+            rstd = _row_rstd(x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD, BLOCK_B, BLOCK_K, EVEN)
+    return rstd
+
+
+@triton.jit
 def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
-          w_ptr, s_ptr, offs_n, N, K,
+          w_ptr, s_ptr, offs_n, N, K, eps,
           ADD: tl.constexpr, NORM: tl.constexpr, NVFP4: tl.constexpr,
-          BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr):
-    """acc[b, n] += input[b, :] . W[offs_n, :] over all of K, for a bf16 or NVFP4 weight (rows offs_n < N).
-    From 16 rows up on tensor cores (bf16 operands: the values are bf16-exact, so products are exact); below, one
-    broadcast multiply-sum per row. EVEN: BLOCK_K divides K, all rows offs_n are < N and all BLOCK_B input rows
-    are < B, so no load needs a per-element mask (a third fewer instructions in the NVFP4 GEMV)."""
+          BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr, RSTD: tl.constexpr):
+    """acc[b, n] += input[b, :] . W[offs_n, :] over all of K, for a bf16 or NVFP4 weight (rows offs_n < N); returns
+    (acc, rstd). From 16 rows up on tensor cores (bf16 operands: the values are bf16-exact, so products are exact);
+    below, one broadcast multiply-sum per row. EVEN: BLOCK_K divides K, all rows offs_n are < N and all BLOCK_B
+    input rows are < B, so no load needs a per-element mask (a third fewer instructions in the NVFP4 GEMV). RSTD:
+    the norm's 1 / rms of each row is computed here, once the first weight tile is on its way (the weight reads
+    then overlap the norm's reduction)."""
     nmask = _below(offs_n, N, EVEN)
     if NVFP4 and DOT:
         # packed byte j of a row holds elements 2j (low nibble) and 2j+1 (high): even and odd input columns
@@ -132,6 +144,7 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
             wmask = nmask[:, None] & _below(k0 + 2 * offs_j[None, :], K, EVEN)
             byte = tl.load(w_ptr + offs_n[:, None] * (K // 2) + k0 // 2 + offs_j[None, :], mask=wmask, other=0)
             sc = _load_f32(s_ptr + offs_n[:, None] * (K // 16) + k0 // 16 + offs_j[None, :] // 8, wmask) * 16384.0
+            rstd = _rstd_first(rstd, k0, x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD, BLOCK_B, BLOCK_K, EVEN, RSTD)
             x_even = _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, k0 + 2 * offs_j, B, K, stride_b, ADD, NORM,
                                  EVEN)
             x_odd = _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, k0 + 2 * offs_j + 1, B, K, stride_b, ADD, NORM,
@@ -149,6 +162,7 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
                            mask=nmask[:, None, None] & _below(jb, K // 2, EVEN)[None, :, :], other=0)
             smask = nmask[:, None] & _below(k0 // 16 + offs_g, K // 16, EVEN)[None, :]
             sc = _load_f32(s_ptr + offs_n[:, None] * (K // 16) + k0 // 16 + offs_g[None, :], smask) * 16384.0
+            rstd = _rstd_first(rstd, k0, x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD, BLOCK_B, BLOCK_K, EVEN, RSTD)
             w_lo, w_hi = _e2m1(byte & 15), _e2m1(byte >> 4)
             for b in tl.static_range(BLOCK_B):
                 rstd_b = tl.sum(tl.where(offs_b == b, rstd, 0.0), 0)
@@ -161,6 +175,7 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
         for k0 in range(0, K, BLOCK_K):
             wmask = nmask[:, None] & _below(k0 + offs_k[None, :], K, EVEN)
             w = _load_f32(w_ptr + offs_n[:, None] * K + k0 + offs_k[None, :], wmask)
+            rstd = _rstd_first(rstd, k0, x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD, BLOCK_B, BLOCK_K, EVEN, RSTD)
             if DOT:
                 x = _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, k0 + offs_k, B, K, stride_b, ADD, NORM, EVEN)
                 acc = _dot(acc, x, w)
@@ -169,7 +184,7 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
                     rstd_b = tl.sum(tl.where(offs_b == b, rstd, 0.0), 0)
                     x = _input_row(x_ptr, dx_ptr, nw_ptr, rstd_b, b, k0 + offs_k, B, K, stride_b, ADD, NORM, EVEN)
                     acc = _put_row(acc, tl.sum(w * x[None, :], 1), offs_b, b)
-    return acc
+    return acc, rstd
 
 
 @triton.jit
@@ -277,23 +292,22 @@ def _linear_kernel(
     offs_b = tl.arange(0, BLOCK_B)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     DOT: tl.constexpr = BLOCK_B >= 16
-    rstd = tl.zeros([BLOCK_B], dtype=tl.float32)
+    N_out = N // 2 if SWIGLU else N
+    acc = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
+    acc, rstd = _gemv(acc, x_ptr, dx_ptr, nw_ptr, tl.zeros([BLOCK_B], dtype=tl.float32), offs_b, B, stride_xb,
+                      w_ptr, s_ptr, offs_n, N_out, K, eps, ADD, NORM, NVFP4, BLOCK_B, BLOCK_K, DOT, EVEN, NORM)
     if NORM:
-        rstd = _row_rstd(x_ptr, dx_ptr, offs_b, B, K, stride_xb, eps, ADD, BLOCK_B, BLOCK_K, EVEN)
         if pid == 0:                                                  # one program stores x + dx and h
             _store_add_norm(x_ptr, dx_ptr, nw_ptr, rstd, x_out_ptr, h_out_ptr, offs_b, B, K, stride_xb,
                             ADD, BLOCK_K, EVEN)
-    N_out = N // 2 if SWIGLU else N
-    acc = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
-    acc = _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_xb, w_ptr, s_ptr, offs_n, N_out, K,
-                ADD, NORM, NVFP4, BLOCK_B, BLOCK_K, DOT, EVEN)
     nmask = _below(offs_n, N_out, EVEN)
     if NVFP4:
         acc *= _load_f32(rs_ptr + offs_n, nmask)[None, :]
     if SWIGLU:                                                        # up rows follow the gate rows
         u = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
-        u = _gemv(u, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_xb, w_ptr + N_out * (K // 2 if NVFP4 else K),
-                  s_ptr + N_out * (K // 16), offs_n, N_out, K, ADD, NORM, NVFP4, BLOCK_B, BLOCK_K, DOT, EVEN)
+        u, _ = _gemv(u, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_xb, w_ptr + N_out * (K // 2 if NVFP4 else K),
+                     s_ptr + N_out * (K // 16), offs_n, N_out, K, eps, ADD, NORM, NVFP4, BLOCK_B, BLOCK_K, DOT, EVEN,
+                     False)
         if NVFP4:
             u *= _load_f32(rs_ptr + N_out + offs_n, nmask)[None, :]
         g, u = _round_bf16(acc), _round_bf16(u)                       # the dense gate/up GEMMs output bf16
@@ -739,10 +753,10 @@ def _moe_gate_up_kernel(
             rsb = rs_ptr + e * (2 * I)
         g = tl.zeros([1, BLOCK_N], dtype=tl.float32)
         u = tl.zeros([1, BLOCK_N], dtype=tl.float32)
-        g = _gemv(g, h_ptr + b * C, h_ptr, h_ptr, g, offs_b, 1, C, wb, sb, offs_n, N, C,
-                  False, False, NVFP4, 1, BLOCK_K, False, EVEN)
-        u = _gemv(u, h_ptr + b * C, h_ptr, h_ptr, u, offs_b, 1, C, wb + N * row_bytes, sb + N * row_scales,
-                  offs_n, N, C, False, False, NVFP4, 1, BLOCK_K, False, EVEN)
+        g, _ = _gemv(g, h_ptr + b * C, h_ptr, h_ptr, g, offs_b, 1, C, wb, sb, offs_n, N, C, 0.0,
+                     False, False, NVFP4, 1, BLOCK_K, False, EVEN, False)
+        u, _ = _gemv(u, h_ptr + b * C, h_ptr, h_ptr, u, offs_b, 1, C, wb + N * row_bytes, sb + N * row_scales,
+                     offs_n, N, C, 0.0, False, False, NVFP4, 1, BLOCK_K, False, EVEN, False)
         nmask = _below(offs_n, N, EVEN)
         if NVFP4:
             g *= _load_f32(rsb + offs_n, nmask)[None, :]
@@ -779,15 +793,15 @@ def _moe_down_kernel(
         e = tl.load(ids_ptr + b * A + j).to(tl.int64)
         w = tl.load(wts_ptr + b * A + j)
         y = tl.zeros([1, BLOCK_N], dtype=tl.float32)
-        y = _gemv(y, act_ptr + (b * (A + 1) + j) * width, act_ptr, act_ptr, y, offs_b, 1, I,
-                  w_ptr + e * C * row_bytes, s_ptr + e * C * row_scales, offs_n, C, I,
-                  False, False, NVFP4, 1, BLOCK_K, False, EVEN)
+        y, _ = _gemv(y, act_ptr + (b * (A + 1) + j) * width, act_ptr, act_ptr, y, offs_b, 1, I,
+                     w_ptr + e * C * row_bytes, s_ptr + e * C * row_scales, offs_n, C, I, 0.0,
+                     False, False, NVFP4, 1, BLOCK_K, False, EVEN, False)
         if NVFP4:
             y *= _load_f32(rs_ptr + e * C + offs_n, nmask)[None, :]
         routed += w * _round_bf16(y)                                  # y_e is bf16; the weighted sum is fp32
     y = tl.zeros([1, BLOCK_N], dtype=tl.float32)
-    y = _gemv(y, act_ptr + (b * (A + 1) + A) * width, act_ptr, act_ptr, y, offs_b, 1, S_W,
-              sw_ptr, ss_ptr, offs_n, C, S_W, False, False, NVFP4, 1, BLOCK_K, False, EVEN)
+    y, _ = _gemv(y, act_ptr + (b * (A + 1) + A) * width, act_ptr, act_ptr, y, offs_b, 1, S_W,
+                 sw_ptr, ss_ptr, offs_n, C, S_W, 0.0, False, False, NVFP4, 1, BLOCK_K, False, EVEN, False)
     if NVFP4:
         y *= _load_f32(srs_ptr + offs_n, nmask)[None, :]
     out = _round_bf16(routed) + _round_bf16(y)
