@@ -365,8 +365,8 @@ def linear(x, w):
 @triton.jit
 def _attention_decode_kernel(
     # pointers
-    qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, sinks_ptr,
-    m_ptr, l_ptr, acc_ptr, ticket_ptr, o_ptr,
+    qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
+    m_ptr, l_ptr, acc_ptr,
     # sizes
     S, eps, qk_scale,
     # strides
@@ -449,32 +449,29 @@ def _attention_decode_kernel(
 
     # ---- partials [B, H, NUM_SPLITS] (m in log2 units) and [B, H, NUM_SPLITS, D]
     h = g * R + offs_r
-    hmask = offs_r < R
-    part = (b * H + h) * NUM_SPLITS
-    tl.store(m_ptr + part + split, m_i, mask=hmask)
-    tl.store(l_ptr + part + split, l_i, mask=hmask)
-    tl.store(acc_ptr + (part + split)[:, None] * D + offs_v[None, :], acc, mask=rmask)
+    part = (b * H + h) * NUM_SPLITS + split
+    tl.store(m_ptr + part, m_i, mask=offs_r < R)
+    tl.store(l_ptr + part, l_i, mask=offs_r < R)
+    tl.store(acc_ptr + part[:, None] * D + offs_v[None, :], acc, mask=rmask)
 
-    # ---- the last split of (b, g) to finish combines the R heads' partials: o = sum_s acc_s 2^(m_s - M) /
-    # (sum_s l_s 2^(m_s - M) + e^sink 2^-M), M = max(m_s, sink in log2 units). Its ticket (an atomic, after a
-    # barrier: every thread's stores first) orders the other splits' stores before its loads, which skip L1.
-    tl.debug_barrier()
-    ticket = tl.atomic_add(ticket_ptr + b * G + g, 1, sem="acq_rel")
-    if ticket == NUM_SPLITS - 1:
-        tl.atomic_xchg(ticket_ptr + b * G + g, 0)                     # ready for the next launch
-        offs_p = tl.arange(0, NUM_SPLITS)
-        parts = part[:, None] + offs_p[None, :]
-        m = tl.load(m_ptr + parts, mask=hmask[:, None], other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(l_ptr + parts, mask=hmask[:, None], other=0.0, cache_modifier=".cg")
-        sink = tl.load(sinks_ptr + h, mask=hmask, other=0.0) * 1.4426950408889634
-        m_all = tl.maximum(tl.max(m, 1), sink)
-        denom = tl.sum(l * tl.exp2(m - m_all[:, None]), 1) + tl.exp2(sink - m_all)   # empty splits: 2^-inf = 0
-        o = tl.zeros([BLOCK_R, D], dtype=tl.float32)
-        for s in range(NUM_SPLITS):
-            w = tl.exp2(tl.load(m_ptr + part + s, mask=hmask, other=float("-inf"), cache_modifier=".cg") - m_all)
-            o += w[:, None] * tl.load(acc_ptr + (part + s)[:, None] * D + offs_v[None, :], mask=rmask, other=0.0,
-                                      cache_modifier=".cg")
-        tl.store(o_ptr + (b * H + h)[:, None] * D + offs_v[None, :], _to_bf16(o / denom[:, None]), mask=rmask)
+
+@triton.jit
+def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, o_ptr,
+                              H: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """o = sum_s acc_s 2^(m_s - M) / (sum_s l_s 2^(m_s - M) + e^(sink - M')), M = max(m_s, sink)."""
+    b, h = tl.program_id(0), tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, D)
+    part = (b * H + h) * NUM_SPLITS + offs_s
+    m = tl.load(m_ptr + part)
+    l = tl.load(l_ptr + part)
+    sink = tl.load(sinks_ptr + h) * 1.4426950408889634               # the sink is a scaled-score logit: to log2
+    m_all = tl.maximum(tl.max(m, 0), sink)
+    w = tl.exp2(m - m_all)                                            # empty splits: 2^-inf = 0
+    denom = tl.sum(l * w, 0) + tl.exp2(sink - m_all)
+    acc = tl.load(acc_ptr + part[:, None] * D + offs_d[None, :])
+    o = tl.sum(acc * w[:, None], 0) / denom
+    tl.store(o_ptr + (b * H + h) * D + offs_d, _to_bf16(o))
 
 
 # splits of the sliding window, keys per split on full layers (4 to 128 splits), keys per step, warps: measured on
@@ -499,27 +496,16 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
     m = torch.empty(B, H, NUM_SPLITS, device=qkv.device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(B, H, NUM_SPLITS, D, device=qkv.device, dtype=torch.float32)
-    o = torch.empty(B, H * D, device=qkv.device, dtype=torch.bfloat16)
     _attention_decode_kernel[(B, G, NUM_SPLITS)](
-        qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, sinks,
-        m, l, acc, _tickets(qkv.device, B * G), o,
+        qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos,
+        m, l, acc,
         S, eps, D ** -0.5 * LOG2E,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
         H=H, G=G, D=D, WINDOW=window, NUM_SPLITS=NUM_SPLITS,
         BLOCK_R=max(16, triton.next_power_of_2(H // G)), BLOCK_S=BLOCK_S, num_warps=warps)
+    o = torch.empty(B, H * D, device=qkv.device, dtype=torch.bfloat16)
+    _attention_combine_kernel[(B, H)](m, l, acc, sinks, o, H=H, D=D, NUM_SPLITS=NUM_SPLITS, num_warps=4)
     return o
-
-
-_TICKETS = {}
-
-
-def _tickets(device, n):
-    """n zeroed int32 counters on device, kept across calls (each user leaves them zeroed): allocated once, by the
-    first (eager) call, never replaced, so CUDA graphs captured later may hold on to them."""
-    if device not in _TICKETS:
-        _TICKETS[device] = torch.zeros(4096, device=device, dtype=torch.int32)
-    assert n <= 4096, f"decode attention takes up to 4096 (sequence, kv head) pairs, got {n}"
-    return _TICKETS[device]
 
 
 # -----------------------------------------------------------------------------
