@@ -3,7 +3,7 @@
 - add_norm_linear: residual add + RMSNorm + GEMV (qkv, router, lm_head), optionally + SwiGLU (dense MLP gate/up).
 - linear: GEMV (o_proj, dense down).
 - attention_decode: q/k RMSNorm + RoPE + KV-cache write + attention with learned sinks, split over the keys
-  (flash-decoding, Dao et al. 2023) so that one sequence fills the GPU; the last split to finish combines them.
+  (flash-decoding, Dao et al. 2023) so that one sequence fills the GPU, then a combine kernel.
 - moe_experts: sigmoid top-k routing + gate/up + SwiGLU of the selected experts and the shared expert in one
   launch, then down + weighted combine + shared add in one launch.
 Prompt chunks (flint.prefill_ops):
