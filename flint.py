@@ -351,6 +351,11 @@ MAX_DECODE_BATCH = 64  # sequences per decode step (the decode kernels' row tile
 GEMM_MIN_ROWS = 32     # from this many rows (sequences of a decode step, tokens of a chunk) weights go through GEMMs
 
 
+def by_rows(small, large):
+    """small(x, ...) for fewer than GEMM_MIN_ROWS rows of x, else large(x, ...)."""
+    return lambda x, *args, **kw: (large if x.shape[0] >= GEMM_MIN_ROWS else small)(x, *args, **kw)
+
+
 def kernel_ops():
     """The Triton twins of REFERENCE_OPS (same names and signatures), for decode steps of up to MAX_DECODE_BATCH
     sequences. From GEMM_MIN_ROWS sequences up, the ops with weights run as in prompt chunks (prefill_ops): GEMMs
@@ -358,14 +363,10 @@ def kernel_ops():
     expert) pairs of a layer touch about 200 distinct experts, each then read once)."""
     import kernels
     gemm = prefill_ops()
-
-    def by_rows(name):
-        small, large = getattr(kernels, name), getattr(gemm, name)
-        return lambda x, *args, **kw: (large if x.shape[0] >= GEMM_MIN_ROWS else small)(x, *args, **kw)
-
     ops = SimpleNamespace(**{name: getattr(kernels, name) for name in vars(REFERENCE_OPS)})
-    for name in ("add_norm_linear", "add_norm_swiglu", "linear", "moe_experts"):
-        setattr(ops, name, by_rows(name))
+    for name in ("add_norm_swiglu", "linear", "moe_experts"):
+        setattr(ops, name, by_rows(getattr(kernels, name), getattr(gemm, name)))
+    ops.add_norm_linear = gemm.add_norm_linear                       # (chooses by rows itself)
     return ops
 
 
@@ -381,15 +382,13 @@ def prefill_ops():
             return kernels.matmul(x, w, f32)
         return F.linear(x, w)
 
-    def add_norm_linear(x, dx, norm_w, w, eps, f32=False):
-        if x.shape[0] < GEMM_MIN_ROWS:
-            return kernels.add_norm_linear(x, dx, norm_w, w, eps, f32)
+    def add_norm_gemm(x, dx, norm_w, w, eps, f32=False):
         x, h = kernels.add_rms_norm(x, dx, norm_w, eps)
         return x, h, linear(h, w, f32)
 
     def add_norm_swiglu(x, dx, norm_w, gate_up, eps):
-        x, h = kernels.add_rms_norm(x, dx, norm_w, eps)
-        return x, swiglu_ref(linear(h, gate_up))
+        x, _, gate_up = add_norm_gemm(x, dx, norm_w, gate_up, eps)
+        return x, swiglu_ref(gate_up)
 
     def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, norm_topk_prob):
         weights, experts = kernels.route(logits, top_k, norm_topk_prob)
@@ -397,7 +396,8 @@ def prefill_ops():
         shared = linear(swiglu_ref(linear(h, shared_gate_up)), shared_down)
         return routed + shared                                     # (bf16 + bf16: one fp32 add, one rounding)
 
-    return SimpleNamespace(add_norm_linear=add_norm_linear, add_norm_swiglu=add_norm_swiglu, linear=linear,
+    return SimpleNamespace(add_norm_linear=by_rows(kernels.add_norm_linear, add_norm_gemm),
+                           add_norm_swiglu=add_norm_swiglu, linear=linear,
                            attention_decode=attention_decode_ref, moe_experts=moe_experts,
                            qk_norm_rope=kernels.qk_norm_rope, sink_attention=kernels.sink_attention)
 

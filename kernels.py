@@ -671,6 +671,13 @@ def qk_norm_rope(q, k, q_norm, k_norm, cos, sin, eps):
 
 
 @triton.jit
+def _ordered(bits):
+    """int32 bits of a bf16 value (in the upper half) <-> an int32 that orders like the values: a negative value's
+    magnitude bits flipped (its own inverse)."""
+    return bits ^ ((bits >> 31) & 0x7FFF0000)
+
+
+@triton.jit
 def _route(logits_ptr, b, E: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr, NORM_TOPK: tl.constexpr):
     """Top-A experts of token b by router logit (ties: lowest index) and their weights sigmoid / sum, [A_PAD].
     One max per pick: an int32 key holds the bf16 logit's bits in its upper half (made to order like the values:
@@ -678,15 +685,14 @@ def _route(logits_ptr, b, E: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr,
     offs_e = tl.arange(0, E)
     r = tl.load(logits_ptr + b * E + offs_e).to(tl.float32)
     bits = tl.where(r == 0.0, 0.0, r).to(tl.int32, bitcast=True)    # a bf16: the lower 16 bits are zero
-    key = (bits ^ ((bits >> 31) & 0x7FFF0000)) | (0xFFFF - offs_e)
+    key = _ordered(bits) | (0xFFFF - offs_e)
     offs_a = tl.arange(0, A_PAD)
     ids = tl.zeros([A_PAD], dtype=tl.int32)
     vals = tl.zeros([A_PAD], dtype=tl.float32)
     for a in tl.static_range(A):
         best = tl.max(key, 0)
-        top = best & -65536                                           # the logit's half, still order-flipped
         ids = tl.where(offs_a == a, 0xFFFF - (best & 0xFFFF), ids)
-        vals = tl.where(offs_a == a, (top ^ ((top >> 31) & 0x7FFF0000)).to(tl.float32, bitcast=True), vals)
+        vals = tl.where(offs_a == a, _ordered(best & -65536).to(tl.float32, bitcast=True), vals)
         key = tl.where(key == best, -2147483648, key)                 # (keys are distinct: taken once)
     w = tl.where(offs_a < A, 1.0 / (1.0 + tl.exp(-vals)), 0.0)       # sigmoid of the chosen logits
     if NORM_TOPK:
@@ -733,7 +739,7 @@ def _moe_gate_up_kernel(
     if rb * BLOCK_N < N:
         offs_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_b = tl.arange(0, 1)
-        e = (j * 0).to(tl.int64)
+        e = tl.full([], 0, tl.int64)
         if j < A:                                                     # (the shared expert's loads need no routing)
             ids, wts = _route(logits_ptr, b, E, A, A_PAD, NORM_TOPK)
             offs_a = tl.arange(0, A_PAD)
@@ -963,7 +969,8 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, C, A: tl.constexpr, BLOCK_C: tl.const
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the prompt-chunk GEMMs, for bf16 and NVFP4 weights; measured
-# on an H200 at Flint's shapes (.dev/tune_prefill.py). BLOCK_M is halved when experts get few rows each.
+# on an H200 at Flint's shapes (.dev/tune_prefill.py). BLOCK_M is halved when experts get few rows each; the down
+# GEMM runs over the gate/up GEMM's blocks, so its BLOCK_M is that one's.
 GEMM_TILES = {
     ("matmul", False): (64, 256, 64, 4, 4),
     ("matmul", True): (128, 128, 64, 8, 4),
@@ -1053,13 +1060,11 @@ def experts(x, weights, experts, gate_up, down):
     _grouped_gate_up_kernel[(blk_expert.numel(), I // BN)](
         x, order, blk_expert, blk_start, blk_end, wp, sp, rsp, act, C, I, A=A,
         NVFP4=nvfp4, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages)
-    BM2, BN, BK, warps, stages = _gemm_tiles("down", nvfp4, rows_per_expert, C, I)
-    if BM2 != BM:
-        _, blk_expert, blk_start, blk_end = _expert_blocks(experts.flatten(), E, BM2)
+    _, BN, BK, warps, stages = _gemm_tiles("down", nvfp4, rows_per_expert, C, I)  # the same blocks of BM rows
     y = torch.empty(N * A, C, device=x.device, dtype=torch.bfloat16)  # (token, slot) order
     _grouped_down_kernel[(blk_expert.numel(), C // BN)](
         act, order, blk_expert, blk_start, blk_end, dwp, dsp, drsp, y, C, I,
-        NVFP4=nvfp4, BLOCK_M=BM2, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages)
+        NVFP4=nvfp4, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, num_stages=stages)
     out = torch.empty_like(x)
     BLOCK_C = min(1024, triton.next_power_of_2(C))
     _combine_kernel[(triton.cdiv(C, BLOCK_C), N)](y, weights.contiguous(), out, C, A=A, BLOCK_C=BLOCK_C, num_warps=4)
