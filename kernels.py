@@ -109,6 +109,14 @@ def _input_row(x_ptr, dx_ptr, nw_ptr, rstd, b, offs_k, B, K, stride_b,
 
 
 @triton.jit
+def _load_operand(ptr, mask):
+    """A bf16 tile for tl.dot: as stored on the GPU; fp32 under the interpreter (its dot takes fp32)."""
+    if INTERPRET_DOT:
+        return _load_f32(ptr, mask)
+    return tl.load(ptr, mask=mask, other=0.0)
+
+
+@triton.jit
 def _put_row(acc, part, offs_b, b):
     """acc[b, :] += part (acc [BLOCK_B, BLOCK_N])."""
     return acc + tl.where(offs_b[:, None] == b, part[None, :], 0.0)
@@ -126,7 +134,7 @@ def _rstd_first(rstd, k0, x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD: tl.co
 
 @triton.jit
 def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
-          w_ptr, s_ptr, offs_n, N, K, eps,
+          w_ptr, s_ptr, offs_n, N, K: tl.constexpr, eps,
           ADD: tl.constexpr, NORM: tl.constexpr, NVFP4: tl.constexpr,
           BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr, RSTD: tl.constexpr):
     """acc[b, n] += input[b, :] . W[offs_n, :] over all of K, for a bf16 or NVFP4 weight (rows offs_n < N); returns
@@ -140,7 +148,7 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
         # packed byte j of a row holds elements 2j (low nibble) and 2j+1 (high): even and odd input columns
         # separately; one e4m3 scale per 16 elements = per 8 bytes (x 2^14 undoes _e2m1's scaling)
         offs_j = tl.arange(0, BLOCK_K // 2)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in tl.static_range(0, K, BLOCK_K):
             wmask = nmask[:, None] & _below(k0 + 2 * offs_j[None, :], K, EVEN)
             byte = tl.load(w_ptr + offs_n[:, None] * (K // 2) + k0 // 2 + offs_j[None, :], mask=wmask, other=0)
             sc = _load_f32(s_ptr + offs_n[:, None] * (K // 16) + k0 // 16 + offs_j[None, :] // 8, wmask) * 16384.0
@@ -156,7 +164,8 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
         G: tl.constexpr = BLOCK_K // 16
         jj = tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :]               # byte in the chunk [G, 8]
         offs_g = tl.arange(0, G)
-        for k0 in range(0, K, BLOCK_K):
+        wide = tl.zeros([acc.shape[1], G], dtype=tl.float32)             # one row: summed over groups at the end
+        for k0 in tl.static_range(0, K, BLOCK_K):
             jb = k0 // 2 + jj
             byte = tl.load(w_ptr + offs_n[:, None, None] * (K // 2) + jb[None, :, :],
                            mask=nmask[:, None, None] & _below(jb, K // 2, EVEN)[None, :, :], other=0)
@@ -169,10 +178,16 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
                 x_even = _input_row(x_ptr, dx_ptr, nw_ptr, rstd_b, b, 2 * jb, B, K, stride_b, ADD, NORM, EVEN)
                 x_odd = _input_row(x_ptr, dx_ptr, nw_ptr, rstd_b, b, 2 * jb + 1, B, K, stride_b, ADD, NORM, EVEN)
                 part = tl.sum(w_lo * x_even[None, :, :] + w_hi * x_odd[None, :, :], 2)
-                acc = _put_row(acc, tl.sum(part * sc, 1), offs_b, b)
+                if BLOCK_B == 1:
+                    wide += part * sc
+                else:
+                    acc = _put_row(acc, tl.sum(part * sc, 1), offs_b, b)
+        if BLOCK_B == 1:
+            acc += tl.sum(wide, 1)[None, :]
     else:
         offs_k = tl.arange(0, BLOCK_K)
-        for k0 in range(0, K, BLOCK_K):
+        wide = tl.zeros([acc.shape[1], BLOCK_K], dtype=tl.float32)       # one row: products summed at the end
+        for k0 in tl.static_range(0, K, BLOCK_K):
             wmask = nmask[:, None] & _below(k0 + offs_k[None, :], K, EVEN)
             w = _load_f32(w_ptr + offs_n[:, None] * K + k0 + offs_k[None, :], wmask)
             rstd = _rstd_first(rstd, k0, x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD, BLOCK_B, BLOCK_K, EVEN, RSTD)
@@ -183,7 +198,12 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
                 for b in tl.static_range(BLOCK_B):
                     rstd_b = tl.sum(tl.where(offs_b == b, rstd, 0.0), 0)
                     x = _input_row(x_ptr, dx_ptr, nw_ptr, rstd_b, b, k0 + offs_k, B, K, stride_b, ADD, NORM, EVEN)
-                    acc = _put_row(acc, tl.sum(w * x[None, :], 1), offs_b, b)
+                    if BLOCK_B == 1:
+                        wide += w * x[None, :]
+                    else:
+                        acc = _put_row(acc, tl.sum(w * x[None, :], 1), offs_b, b)
+        if (BLOCK_B == 1) and (not DOT):
+            acc += tl.sum(wide, 1)[None, :]
     return acc, rstd
 
 
@@ -281,12 +301,12 @@ def _linear_kernel(
     x_ptr, dx_ptr, nw_ptr, x_out_ptr, h_out_ptr,
     w_ptr, s_ptr, rs_ptr, y_ptr,
     # sizes
-    B, N, K, eps,
+    B, N, eps,
     # strides
     stride_xb, stride_yb,
     # meta-parameters
-    ADD: tl.constexpr, NORM: tl.constexpr, NVFP4: tl.constexpr, SWIGLU: tl.constexpr, OUT_F32: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+    K: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, NVFP4: tl.constexpr, SWIGLU: tl.constexpr,
+    OUT_F32: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_B)
@@ -334,9 +354,9 @@ def _launch_linear(x, dx, norm_w, w, eps, swiglu=False, f32=False):
     _linear_kernel[grid](
         x, dx if dx is not None else x, norm_w if norm else x, x_out, h_out,
         wp, sp, rsp, y,
-        B, N, K, eps,
+        B, N, eps,
         x.stride(0), y.stride(0),
-        ADD=dx is not None, NORM=norm, NVFP4=nvfp4, SWIGLU=swiglu, OUT_F32=f32,
+        K=K, ADD=dx is not None, NORM=norm, NVFP4=nvfp4, SWIGLU=swiglu, OUT_F32=f32,
         BLOCK_B=BLOCK_B, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         EVEN=N_out % BLOCK_N == 0 and K % BLOCK_K == 0 and B == BLOCK_B, num_warps=warps)
     return x_out, h_out, y
@@ -376,6 +396,7 @@ def _attention_decode_kernel(
     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     b, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    DTYPE: tl.constexpr = tl.float32 if INTERPRET_DOT else tl.bfloat16  # tl.dot operands
     R: tl.constexpr = H // G                                          # query heads per kv head
     HALF: tl.constexpr = D // 2
     p = tl.load(pos_ptr + b)
@@ -425,26 +446,19 @@ def _attention_decode_kernel(
         slot = (kp % S).to(tl.int64)
         is_new = (kp == p)[:, None]
         kc = k_cache_ptr + cache_b + slot[:, None] * stride_cs + offs_d[None, :]
-        kt1 = tl.where(is_new, k1[None, :], _load_f32(kc, valid[:, None]))
-        kt2 = tl.where(is_new, k2[None, :], _load_f32(kc + HALF, valid[:, None]))
-        vt = tl.where(is_new, v[None, :],
-                      _load_f32(v_cache_ptr + cache_b + slot[:, None] * stride_cs + offs_v[None, :], valid[:, None]))
-        if INTERPRET_DOT:
-            s = tl.dot(q1, tl.trans(kt1), input_precision="ieee") + tl.dot(q2, tl.trans(kt2), input_precision="ieee")
-        else:
-            s = tl.dot(q1.to(tl.bfloat16), tl.trans(kt1.to(tl.bfloat16))) + \
-                tl.dot(q2.to(tl.bfloat16), tl.trans(kt2.to(tl.bfloat16)))
+        kt1 = tl.where(is_new, k1[None, :].to(DTYPE), _load_operand(kc, valid[:, None]))
+        kt2 = tl.where(is_new, k2[None, :].to(DTYPE), _load_operand(kc + HALF, valid[:, None]))
+        vt = tl.where(is_new, v[None, :].to(DTYPE),
+                      _load_operand(v_cache_ptr + cache_b + slot[:, None] * stride_cs + offs_v[None, :],
+                                    valid[:, None]))
+        s = _dot(_dot(tl.zeros([BLOCK_R, BLOCK_S], dtype=tl.float32), q1, kt1), q2, kt2)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))     # log2 units: scale * log2(e) folded in
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         pexp = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(pexp, 1)
         # unnormalized P rounded to bf16 for P @ V (the serving reference), fp32 row sum
-        if INTERPRET_DOT:
-            pv = tl.dot(_round_bf16(pexp), vt, input_precision="ieee")
-        else:
-            pv = tl.dot(pexp.to(tl.bfloat16), vt.to(tl.bfloat16))
-        acc = acc * alpha[:, None] + pv
+        acc = _dot(acc * alpha[:, None], _round_bf16(pexp), tl.trans(vt))
         m_i = m_new
 
     # ---- partials [B, H, NUM_SPLITS] (m in log2 units) and [B, H, NUM_SPLITS, D]
@@ -476,7 +490,7 @@ def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, o_ptr,
 
 # splits of the sliding window, keys per split on full layers (4 to 128 splits), keys per step, warps: measured on
 # an H200 at batch 1; larger batches take fewer splits, down to ~`programs` programs in all
-ATTENTION = dict(sliding_splits=16, keys_per_split=1024, block_s=16, warps=8, programs=512)
+ATTENTION = dict(sliding_splits=16, keys_per_split=1024, block_s=16, warps=8, stages=3, programs=512)
 
 
 def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos, window, eps):
@@ -488,7 +502,8 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.bfloat16
     assert pos.shape == (B,) and sinks.dtype == torch.float32 and cos.dtype == torch.float32
     # enough programs to fill the GPU at batch 1 (4 kv heads); the interpreter runs programs one by one
-    t = dict(sliding_splits=2, keys_per_split=16, block_s=16, warps=4, programs=8) if INTERPRET else ATTENTION
+    t = ATTENTION if not INTERPRET else dict(sliding_splits=2, keys_per_split=16, block_s=16, warps=4, stages=1,
+                                             programs=8)
     NUM_SPLITS = t["sliding_splits"] if window else \
         max(4, min(128, triton.next_power_of_2(triton.cdiv(S, t["keys_per_split"]))))
     NUM_SPLITS = min(NUM_SPLITS, triton.next_power_of_2(triton.cdiv(t["programs"], B * G)))  # (fewer partials)
@@ -502,7 +517,8 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
         S, eps, D ** -0.5 * LOG2E,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
         H=H, G=G, D=D, WINDOW=window, NUM_SPLITS=NUM_SPLITS,
-        BLOCK_R=max(16, triton.next_power_of_2(H // G)), BLOCK_S=BLOCK_S, num_warps=warps)
+        BLOCK_R=max(16, triton.next_power_of_2(H // G)), BLOCK_S=BLOCK_S, num_warps=warps,
+        num_stages=t["stages"])
     o = torch.empty(B, H * D, device=qkv.device, dtype=torch.bfloat16)
     _attention_combine_kernel[(B, H)](m, l, acc, sinks, o, H=H, D=D, NUM_SPLITS=NUM_SPLITS, num_warps=4)
     return o
@@ -723,22 +739,48 @@ def route(logits, top_k, norm_topk_prob):
 
 
 @triton.jit
+def _rows_dot(x_rows, w_rows, s_rows, K: tl.constexpr, NVFP4: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc[i, n] = input row x_rows[i] . weight row w_rows[i, n] over all K (pointer tensors [I, 1] and [I, N]:
+    the rows' starts; s_rows: the e4m3 scale rows of NVFP4 weights, whose row scale is left to the caller), fp32.
+    K is unrolled, products accumulate elementwise and are reduced once at the end: every weight load of the
+    program is issued before its one reduction, so a decode program waits on memory once, not once per expert and
+    step. The shapes must be even (BLOCK_K divides K): no masks."""
+    if NVFP4:
+        # byte j of a row holds elements 2j (low nibble) and 2j+1 (high), scaled by e4m3 scale j // 8 (one per 16
+        # elements); e2m1 x e4m3 x bf16 products are exact in fp32 (x 2^14 undoes _e2m1's scaling)
+        offs_j = tl.arange(0, BLOCK_K // 2)[None, None, :]
+        pair = (2 * offs_j)[:, :, :, None] + tl.arange(0, 2)[None, None, None, :]         # [1, 1, BLOCK_K/2, 2]
+        acc = tl.zeros([w_rows.shape[0], w_rows.shape[1], BLOCK_K // 2], dtype=tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            byte = tl.load(w_rows[:, :, None] + k0 // 2 + offs_j)
+            sc = tl.load(s_rows[:, :, None] + (k0 // 2 + offs_j) // 8).to(tl.float32)
+            x_even, x_odd = tl.split(tl.load(x_rows[:, :, None, None] + k0 + pair).to(tl.float32))
+            acc += (_e2m1(byte & 15) * x_even + _e2m1(byte >> 4) * x_odd) * sc
+        return tl.sum(acc, 2) * 16384.0
+    offs_k = tl.arange(0, BLOCK_K)[None, None, :]
+    acc = tl.zeros([w_rows.shape[0], w_rows.shape[1], BLOCK_K], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        acc += tl.load(w_rows[:, :, None] + k0 + offs_k).to(tl.float32) * \
+            tl.load(x_rows[:, :, None] + k0 + offs_k).to(tl.float32)
+    return tl.sum(acc, 2)
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     # pointers
     h_ptr, logits_ptr, w_ptr, s_ptr, rs_ptr, sw_ptr, ss_ptr, srs_ptr, act_ptr, ids_ptr, wts_ptr,
     # sizes
-    C, I, S_W,
+    I, S_W,
     # meta-parameters
-    E: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr, NORM_TOPK: tl.constexpr, NVFP4: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+    C: tl.constexpr, E: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr, NORM_TOPK: tl.constexpr,
+    NVFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Program (row block, slot j, token b): slot j < A is the token's j-th routed expert, slot A the shared one."""
+    """Program (row block, slot j, token b): slot j < A is the token's j-th routed expert, slot A the shared one;
+    its gate and up rows are one [2, BLOCK_N] block of rows (gate rows n, up rows N + n)."""
     rb, j, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     shared = j == A
     N = tl.where(shared, S_W, I)                                      # rows of gate (and of up) in this expert
     if rb * BLOCK_N < N:
-        offs_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_b = tl.arange(0, 1)
         e = tl.full([], 0, tl.int64)
         if j < A:                                                     # (the shared expert's loads need no routing)
             ids, wts = _route(logits_ptr, b, E, A, A_PAD, NORM_TOPK)
@@ -747,32 +789,24 @@ def _moe_gate_up_kernel(
                 tl.store(ids_ptr + b * A + offs_a, ids, mask=offs_a < A)
                 tl.store(wts_ptr + b * A + offs_a, wts, mask=offs_a < A)
             e = tl.sum(tl.where(offs_a == j, ids, 0), 0).to(tl.int64)
+        ROW_BYTES: tl.constexpr = C // 2 if NVFP4 else C
+        first = tl.where(shared, 0, e * 2 * I)                        # the expert's first row in its tensor
+        rows = first + tl.arange(0, 2)[:, None] * N + rb * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        w_rows = tl.where(shared, sw_ptr, w_ptr) + rows * ROW_BYTES
+        s_rows = tl.where(shared, ss_ptr, s_ptr) + rows * (C // 16)
+        x_rows = h_ptr + b * C + tl.zeros([1, 1], dtype=tl.int64)
+        acc = _rows_dot(x_rows, w_rows, s_rows, C, NVFP4, BLOCK_K)
         if NVFP4:
-            row_bytes, row_scales = C // 2, C // 16
-        else:
-            row_bytes, row_scales = C, C
-        if shared:
-            wb, sb, rsb = sw_ptr, ss_ptr, srs_ptr
-        else:
-            wb = w_ptr + e * (2 * I) * row_bytes
-            sb = s_ptr + e * (2 * I) * row_scales
-            rsb = rs_ptr + e * (2 * I)
-        g = tl.zeros([1, BLOCK_N], dtype=tl.float32)
-        u = tl.zeros([1, BLOCK_N], dtype=tl.float32)
-        g, _ = _gemv(g, h_ptr + b * C, h_ptr, h_ptr, g, offs_b, 1, C, wb, sb, offs_n, N, C, 0.0,
-                     False, False, NVFP4, 1, BLOCK_K, False, EVEN, False)
-        u, _ = _gemv(u, h_ptr + b * C, h_ptr, h_ptr, u, offs_b, 1, C, wb + N * row_bytes, sb + N * row_scales,
-                     offs_n, N, C, 0.0, False, False, NVFP4, 1, BLOCK_K, False, EVEN, False)
-        nmask = _below(offs_n, N, EVEN)
-        if NVFP4:
-            g *= _load_f32(rsb + offs_n, nmask)[None, :]
-            u *= _load_f32(rsb + N + offs_n, nmask)[None, :]
+            acc *= tl.load(tl.where(shared, srs_ptr, rs_ptr) + rows).to(tl.float32)
+        is_gate = tl.arange(0, 2)[:, None] == 0
+        g = tl.sum(tl.where(is_gate, acc, 0.0), 0)
+        u = tl.sum(tl.where(is_gate, 0.0, acc), 0)
         # routed experts keep fp32 accumulators; the shared expert's gate/up outputs are bf16 (spec §2.5.5, §2.4)
         g = tl.where(shared, _round_bf16(g), g)
         u = tl.where(shared, _round_bf16(u), u)
         act = g / (1.0 + tl.exp(-g)) * u
-        width = tl.maximum(I, S_W)
-        tl.store(act_ptr + (b * (A + 1) + j) * width + offs_n[None, :], _to_bf16(act), mask=nmask[None, :])
+        offs_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(act_ptr + (b * (A + 1) + j) * tl.maximum(I, S_W) + offs_n, _to_bf16(act))
 
 
 @triton.jit
@@ -780,38 +814,36 @@ def _moe_down_kernel(
     # pointers
     act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, rs_ptr, sw_ptr, ss_ptr, srs_ptr, out_ptr,
     # sizes
-    C, I, S_W,
+    C, S_W,
     # meta-parameters
-    A: tl.constexpr, NVFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+    I: tl.constexpr, A: tl.constexpr, J: tl.constexpr, J_PAD: tl.constexpr, NVFP4: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    """Program (row block, token b): out = bf16(bf16(sum_j w_j bf16(down_j act_j)) + bf16(down_s act_s))."""
+    """Program (row block, token b): out = bf16(bf16(sum_j w_j bf16(down_j act_j)) + bf16(down_s act_s)). Slots
+    j < A are the routed experts, slots A .. J - 1 the shared expert's columns in chunks of I: all J weight tiles
+    are loaded at once (one wait on memory), the shared chunks' fp32 sums added before its one rounding."""
     rb, b = tl.program_id(0), tl.program_id(1)
     offs_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_b = tl.arange(0, 1)
-    nmask = _below(offs_n, C, EVEN)
-    width = tl.maximum(I, S_W)
+    offs_j = tl.arange(0, J_PAD)
+    routed = offs_j < A
+    e = tl.load(ids_ptr + b * A + offs_j, mask=routed, other=0).to(tl.int64)
+    chunk = tl.where(routed, 0, tl.minimum(offs_j, J - 1) - A)        # shared chunk (padding slots: the last,
+    real = (offs_j < J)[:, None]                                      # weighted 0)
+    ROW_BYTES: tl.constexpr = I // 2 if NVFP4 else I
+    rows = tl.where(routed[:, None], e[:, None] * C + offs_n[None, :], offs_n[None, :])
+    w_rows = tl.where(routed[:, None], w_ptr + rows * ROW_BYTES,
+                      sw_ptr + rows * (S_W // I * ROW_BYTES) + chunk[:, None] * ROW_BYTES)
+    s_rows = tl.where(routed[:, None], s_ptr + rows * (I // 16),
+                      ss_ptr + rows * (S_W // 16) + chunk[:, None] * (I // 16))
+    x_rows = act_ptr + (b * (A + 1) + tl.minimum(offs_j, A)[:, None]) * tl.maximum(I, S_W) + chunk[:, None] * I
+    y = _rows_dot(x_rows, w_rows, s_rows, I, NVFP4, I)
     if NVFP4:
-        row_bytes, row_scales = I // 2, I // 16
-    else:
-        row_bytes, row_scales = I, I
-    routed = tl.zeros([1, BLOCK_N], dtype=tl.float32)
-    for j in tl.static_range(A):                                      # unrolled: the experts' loads overlap
-        e = tl.load(ids_ptr + b * A + j).to(tl.int64)
-        w = tl.load(wts_ptr + b * A + j)
-        y = tl.zeros([1, BLOCK_N], dtype=tl.float32)
-        y, _ = _gemv(y, act_ptr + (b * (A + 1) + j) * width, act_ptr, act_ptr, y, offs_b, 1, I,
-                     w_ptr + e * C * row_bytes, s_ptr + e * C * row_scales, offs_n, C, I, 0.0,
-                     False, False, NVFP4, 1, BLOCK_K, False, EVEN, False)
-        if NVFP4:
-            y *= _load_f32(rs_ptr + e * C + offs_n, nmask)[None, :]
-        routed += w * _round_bf16(y)                                  # y_e is bf16; the weighted sum is fp32
-    y = tl.zeros([1, BLOCK_N], dtype=tl.float32)
-    y, _ = _gemv(y, act_ptr + (b * (A + 1) + A) * width, act_ptr, act_ptr, y, offs_b, 1, S_W,
-                 sw_ptr, ss_ptr, offs_n, C, S_W, 0.0, False, False, NVFP4, 1, BLOCK_K, False, EVEN, False)
-    if NVFP4:
-        y *= _load_f32(srs_ptr + offs_n, nmask)[None, :]
-    out = _round_bf16(routed) + _round_bf16(y)
-    tl.store(out_ptr + b * C + offs_n[None, :], _to_bf16(out), mask=nmask[None, :])
+        y *= tl.load(tl.where(routed[:, None], rs_ptr, srs_ptr) + rows).to(tl.float32)
+    w = tl.load(wts_ptr + b * A + offs_j, mask=routed, other=0.0)
+    routed_sum = tl.sum(tl.where(routed[:, None], w[:, None] * _round_bf16(y), 0.0), 0)   # y_e is bf16
+    shared_sum = tl.sum(tl.where(routed[:, None] | ~real, 0.0, y), 0)
+    out = _round_bf16(routed_sum) + _round_bf16(shared_sum)
+    tl.store(out_ptr + b * C + offs_n, _to_bf16(out))
 
 
 def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, norm_topk_prob):
@@ -828,22 +860,24 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
     assert nvfp4 == s_nvfp4 == d_nvfp4 == sd_nvfp4, "routed and shared experts must share one weight format"
     _block_b(B)
     BLOCK_N, BLOCK_K, warps = tiles("moe_gate_up", 1, nvfp4, C)
+    assert C % BLOCK_K == 0 and I % BLOCK_N == 0 and S_W % BLOCK_N == 0 and S_W % I == 0 and I % 16 == 0, \
+        f"the decode MoE kernels need even shapes: hidden {C}, expert width {I}, shared width {S_W}"
     act = torch.empty(B, top_k + 1, max(I, S_W), device=h.device, dtype=torch.bfloat16)
     ids = torch.empty(B, top_k, device=h.device, dtype=torch.int32)
     wts = torch.empty(B, top_k, device=h.device, dtype=torch.float32)
     _moe_gate_up_kernel[(triton.cdiv(max(I, S_W), BLOCK_N), top_k + 1, B)](
         h, logits, wp, sp, rsp, swp, ssp, srsp, act, ids, wts,
-        C, I, S_W,
-        E=E, A=top_k, A_PAD=triton.next_power_of_2(top_k), NORM_TOPK=norm_topk_prob, NVFP4=nvfp4,
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, EVEN=I % BLOCK_N == 0 and S_W % BLOCK_N == 0 and C % BLOCK_K == 0,
-        num_warps=warps)
+        I, S_W,
+        C=C, E=E, A=top_k, A_PAD=triton.next_power_of_2(top_k), NORM_TOPK=norm_topk_prob, NVFP4=nvfp4,
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=warps)
     out = torch.empty_like(h)
-    BLOCK_N, BLOCK_K, warps = tiles("moe_down", 1, nvfp4, min(I, S_W))
-    _moe_down_kernel[(triton.cdiv(C, BLOCK_N), B)](
+    BLOCK_N, _, warps = tiles("moe_down", 1, nvfp4, I)
+    assert C % BLOCK_N == 0, f"hidden size {C} is not a multiple of {BLOCK_N}"
+    J = top_k + S_W // I
+    _moe_down_kernel[(C // BLOCK_N, B)](
         act, ids, wts, dwp, dsp, drsp, sdwp, sdsp, sdrsp, out,
-        C, I, S_W,
-        A=top_k, NVFP4=nvfp4, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        EVEN=C % BLOCK_N == 0 and I % BLOCK_K == 0 and S_W % BLOCK_K == 0, num_warps=warps)
+        C, S_W,
+        I=I, A=top_k, J=J, J_PAD=triton.next_power_of_2(J), NVFP4=nvfp4, BLOCK_N=BLOCK_N, num_warps=warps)
     return out
 
 
