@@ -746,17 +746,21 @@ def _rows_dot(x_rows, w_rows, s_rows, K: tl.constexpr, NVFP4: tl.constexpr, BLOC
     program is issued before its one reduction, so a decode program waits on memory once, not once per expert and
     step. The shapes must be even (BLOCK_K divides K): no masks."""
     if NVFP4:
-        # byte j of a row holds elements 2j (low nibble) and 2j+1 (high), scaled by e4m3 scale j // 8 (one per 16
-        # elements); e2m1 x e4m3 x bf16 products are exact in fp32 (x 2^14 undoes _e2m1's scaling)
-        offs_j = tl.arange(0, BLOCK_K // 2)[None, None, :]
-        pair = (2 * offs_j)[:, :, :, None] + tl.arange(0, 2)[None, None, None, :]         # [1, 1, BLOCK_K/2, 2]
-        acc = tl.zeros([w_rows.shape[0], w_rows.shape[1], BLOCK_K // 2], dtype=tl.float32)
+        # byte j of a row holds elements 2j (low nibble) and 2j+1 (high): read as one int32 of the input (two
+        # bf16); one e4m3 scale per 16 elements (8 bytes): products summed per group of 16, then scaled once per
+        # group (x 2^14 undoes _e2m1's scaling)
+        G: tl.constexpr = BLOCK_K // 16
+        jj = (tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :])[None, None, :, :]   # [1, 1, G, 8]
+        gg = tl.arange(0, G)[None, None, :, None]                                           # [1, 1, G, 1]
+        x_pairs = x_rows.to(tl.pointer_type(tl.int32))[:, :, None, None]
+        acc = tl.zeros([w_rows.shape[0], w_rows.shape[1], G, 1], dtype=tl.float32)
         for k0 in tl.static_range(0, K, BLOCK_K):
-            byte = tl.load(w_rows[:, :, None] + k0 // 2 + offs_j)
-            sc = tl.load(s_rows[:, :, None] + (k0 // 2 + offs_j) // 8).to(tl.float32)
-            x_even, x_odd = tl.split(tl.load(x_rows[:, :, None, None] + k0 + pair).to(tl.float32))
-            acc += (_e2m1(byte & 15) * x_even + _e2m1(byte >> 4) * x_odd) * sc
-        return tl.sum(acc, 2) * 16384.0
+            byte = tl.load(w_rows[:, :, None, None] + k0 // 2 + jj)
+            sc = tl.load(s_rows[:, :, None, None] + k0 // 16 + gg).to(tl.float32)
+            pair = tl.load(x_pairs + k0 // 2 + jj)
+            x_even, x_odd = (pair << 16).to(tl.float32, bitcast=True), (pair & -65536).to(tl.float32, bitcast=True)
+            acc += tl.sum(_e2m1(byte & 15) * x_even + _e2m1(byte >> 4) * x_odd, 3, keep_dims=True) * sc
+        return tl.sum(tl.sum(acc, 3), 2) * 16384.0
     offs_k = tl.arange(0, BLOCK_K)[None, None, :]
     acc = tl.zeros([w_rows.shape[0], w_rows.shape[1], BLOCK_K], dtype=tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):
@@ -795,9 +799,8 @@ def _moe_gate_up_kernel(
         w_rows = tl.where(shared, sw_ptr, w_ptr) + rows * ROW_BYTES
         s_rows = tl.where(shared, ss_ptr, s_ptr) + rows * (C // 16)
         x_rows = h_ptr + b * C + tl.zeros([1, 1], dtype=tl.int64)
-        acc = _rows_dot(x_rows, w_rows, s_rows, C, NVFP4, BLOCK_K)
-        if NVFP4:
-            acc *= tl.load(tl.where(shared, srs_ptr, rs_ptr) + rows).to(tl.float32)
+        row_scale = tl.load(tl.where(shared, srs_ptr, rs_ptr) + rows) if NVFP4 else 1.0   # (loads first: one wait)
+        acc = _rows_dot(x_rows, w_rows, s_rows, C, NVFP4, BLOCK_K) * row_scale
         is_gate = tl.arange(0, 2)[:, None] == 0
         g = tl.sum(tl.where(is_gate, acc, 0.0), 0)
         u = tl.sum(tl.where(is_gate, 0.0, acc), 0)
@@ -836,10 +839,9 @@ def _moe_down_kernel(
     s_rows = tl.where(routed[:, None], s_ptr + rows * (I // 16),
                       ss_ptr + rows * (S_W // 16) + chunk[:, None] * (I // 16))
     x_rows = act_ptr + (b * (A + 1) + tl.minimum(offs_j, A)[:, None]) * tl.maximum(I, S_W) + chunk[:, None] * I
-    y = _rows_dot(x_rows, w_rows, s_rows, I, NVFP4, I)
-    if NVFP4:
-        y *= tl.load(tl.where(routed[:, None], rs_ptr, srs_ptr) + rows).to(tl.float32)
-    w = tl.load(wts_ptr + b * A + offs_j, mask=routed, other=0.0)
+    row_scale = tl.load(tl.where(routed[:, None], rs_ptr, srs_ptr) + rows) if NVFP4 else 1.0
+    w = tl.load(wts_ptr + b * A + offs_j, mask=routed, other=0.0)    # (loads first: one wait)
+    y = _rows_dot(x_rows, w_rows, s_rows, I, NVFP4, I) * row_scale
     routed_sum = tl.sum(tl.where(routed[:, None], w[:, None] * _round_bf16(y), 0.0), 0)   # y_e is bf16
     shared_sum = tl.sum(tl.where(routed[:, None] | ~real, 0.0, y), 0)
     out = _round_bf16(routed_sum) + _round_bf16(shared_sum)
