@@ -202,7 +202,7 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
                         wide += w * x[None, :]
                     else:
                         acc = _put_row(acc, tl.sum(w * x[None, :], 1), offs_b, b)
-        if (BLOCK_B == 1) and (not DOT):
+        if BLOCK_B == 1:
             acc += tl.sum(wide, 1)[None, :]
     return acc, rstd
 
@@ -279,7 +279,7 @@ TILES = {
     ("gemv_wide",   64, True): (16, 256, 4),
     ("moe_gate_up",  1, False): (4, 1024, 2),
     ("moe_gate_up",  1, True): (16, 1024, 8),
-    ("moe_down",     1, False): (4, 1024, 4),
+    ("moe_down",     1, False): (4, 512, 4),                          # (BLOCK_K: whole expert rows)
     ("moe_down",     1, True): (8, 512, 8),
 }
 
@@ -794,8 +794,7 @@ def _moe_gate_up_kernel(
                 tl.store(wts_ptr + b * A + offs_a, wts, mask=offs_a < A)
             e = tl.sum(tl.where(offs_a == j, ids, 0), 0).to(tl.int64)
         ROW_BYTES: tl.constexpr = C // 2 if NVFP4 else C
-        first = tl.where(shared, 0, e * 2 * I)                        # the expert's first row in its tensor
-        rows = first + tl.arange(0, 2)[:, None] * N + rb * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        rows = e * 2 * I + tl.arange(0, 2)[:, None] * N + rb * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         w_rows = tl.where(shared, sw_ptr, w_ptr) + rows * ROW_BYTES
         s_rows = tl.where(shared, ss_ptr, s_ptr) + rows * (C // 16)
         x_rows = h_ptr + b * C + tl.zeros([1, 1], dtype=tl.int64)
