@@ -109,6 +109,27 @@ def _input_row(x_ptr, dx_ptr, nw_ptr, rstd, b, offs_k, B, K, stride_b,
 
 
 @triton.jit
+def _pairs(ptr, j):
+    """bf16 elements 2j and 2j + 1 at ptr, read as one int32 each (any shape of j), as fp32 (even, odd)."""
+    pair = tl.load(ptr.to(tl.pointer_type(tl.int32)) + j)
+    return (pair << 16).to(tl.float32, bitcast=True), (pair & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _input_pairs(x_ptr, dx_ptr, nw_ptr, rstd, b, j, stride_b, ADD: tl.constexpr, NORM: tl.constexpr):
+    """_input_row at columns 2j and 2j + 1 (even, odd) for an even shape (row b exists, every column < K): each pair
+    of columns one int32 load."""
+    x_even, x_odd = _pairs(x_ptr + b * stride_b, j)
+    if ADD:
+        dx_even, dx_odd = _pairs(dx_ptr + b * stride_b, j)
+        x_even, x_odd = x_even + dx_even, x_odd + dx_odd
+    if NORM:
+        nw_even, nw_odd = _pairs(nw_ptr, j)
+        x_even, x_odd = _round_bf16(x_even * rstd * nw_even), _round_bf16(x_odd * rstd * nw_odd)
+    return x_even, x_odd
+
+
+@triton.jit
 def _load_operand(ptr, mask):
     """A bf16 tile for tl.dot: as stored on the GPU; fp32 under the interpreter (its dot takes fp32)."""
     if INTERPRET_DOT:
@@ -175,8 +196,11 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
             w_lo, w_hi = _e2m1(byte & 15), _e2m1(byte >> 4)
             for b in tl.static_range(BLOCK_B):
                 rstd_b = tl.sum(tl.where(offs_b == b, rstd, 0.0), 0)
-                x_even = _input_row(x_ptr, dx_ptr, nw_ptr, rstd_b, b, 2 * jb, B, K, stride_b, ADD, NORM, EVEN)
-                x_odd = _input_row(x_ptr, dx_ptr, nw_ptr, rstd_b, b, 2 * jb + 1, B, K, stride_b, ADD, NORM, EVEN)
+                if EVEN:
+                    x_even, x_odd = _input_pairs(x_ptr, dx_ptr, nw_ptr, rstd_b, b, jb, stride_b, ADD, NORM)
+                else:
+                    x_even = _input_row(x_ptr, dx_ptr, nw_ptr, rstd_b, b, 2 * jb, B, K, stride_b, ADD, NORM, EVEN)
+                    x_odd = _input_row(x_ptr, dx_ptr, nw_ptr, rstd_b, b, 2 * jb + 1, B, K, stride_b, ADD, NORM, EVEN)
                 part = tl.sum(w_lo * x_even[None, :, :] + w_hi * x_odd[None, :, :], 2)
                 if BLOCK_B == 1:
                     wide += part * sc
@@ -266,7 +290,7 @@ def _block_b(B):
 TILES = {
     # kernel      rows  nvfp4
     ("gemv",         1, False): (4, 2048, 8),
-    ("gemv",         1, True): (8, 1024, 8),
+    ("gemv",         1, True): (4, 2048, 4),
     ("gemv",         8, False): (8, 1024, 4),
     ("gemv",         8, True): (4, 1024, 4),
     ("gemv",        64, False): (16, 256, 4),
@@ -277,10 +301,10 @@ TILES = {
     ("gemv_wide",    8, True): (8, 512, 2),
     ("gemv_wide",   64, False): (16, 256, 4),
     ("gemv_wide",   64, True): (16, 256, 4),
-    ("moe_gate_up",  1, False): (4, 1024, 2),
-    ("moe_gate_up",  1, True): (16, 1024, 8),
+    ("moe_gate_up",  1, False): (8, 1024, 4),
+    ("moe_gate_up",  1, True): (4, 1024, 4),
     ("moe_down",     1, False): (4, 512, 4),                          # (BLOCK_K: whole expert rows)
-    ("moe_down",     1, True): (8, 512, 8),
+    ("moe_down",     1, True): (4, 512, 4),
 }
 
 
@@ -488,9 +512,11 @@ def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, o_ptr,
     tl.store(o_ptr + (b * H + h) * D + offs_d, _to_bf16(o))
 
 
-# splits of the sliding window, keys per split on full layers (4 to 128 splits), keys per step, warps: measured on
-# an H200 at batch 1; larger batches take fewer splits, down to ~`programs` programs in all
-ATTENTION = dict(sliding_splits=16, keys_per_split=1024, block_s=16, warps=8, stages=3, programs=512)
+# splits of the sliding window and keys per step there; on full layers keys per split (min_splits to 128 splits)
+# and keys per step; warps, pipeline stages: the fastest of a sweep on an H200 at batch 1; larger batches take
+# fewer splits, down to ~`programs` programs in all
+ATTENTION = dict(sliding_splits=16, sliding_block=16, keys_per_split=1024, min_splits=32, full_block=64, warps=8,
+                 stages=3, programs=512)
 
 
 def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos, window, eps):
@@ -502,12 +528,12 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.bfloat16
     assert pos.shape == (B,) and sinks.dtype == torch.float32 and cos.dtype == torch.float32
     # enough programs to fill the GPU at batch 1 (4 kv heads); the interpreter runs programs one by one
-    t = ATTENTION if not INTERPRET else dict(sliding_splits=2, keys_per_split=16, block_s=16, warps=4, stages=1,
-                                             programs=8)
+    t = ATTENTION if not INTERPRET else dict(sliding_splits=2, sliding_block=16, keys_per_split=16, min_splits=4,
+                                             full_block=16, warps=4, stages=1, programs=8)
     NUM_SPLITS = t["sliding_splits"] if window else \
-        max(4, min(128, triton.next_power_of_2(triton.cdiv(S, t["keys_per_split"]))))
+        max(t["min_splits"], min(128, triton.next_power_of_2(triton.cdiv(S, t["keys_per_split"]))))
     NUM_SPLITS = min(NUM_SPLITS, triton.next_power_of_2(triton.cdiv(t["programs"], B * G)))  # (fewer partials)
-    BLOCK_S, warps = t["block_s"], t["warps"]
+    BLOCK_S, warps = t["sliding_block" if window else "full_block"], t["warps"]
     m = torch.empty(B, H, NUM_SPLITS, device=qkv.device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(B, H, NUM_SPLITS, D, device=qkv.device, dtype=torch.float32)
@@ -752,13 +778,11 @@ def _rows_dot(x_rows, w_rows, s_rows, K: tl.constexpr, NVFP4: tl.constexpr, BLOC
         G: tl.constexpr = BLOCK_K // 16
         jj = (tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :])[None, None, :, :]   # [1, 1, G, 8]
         gg = tl.arange(0, G)[None, None, :, None]                                           # [1, 1, G, 1]
-        x_pairs = x_rows.to(tl.pointer_type(tl.int32))[:, :, None, None]
         acc = tl.zeros([w_rows.shape[0], w_rows.shape[1], G, 1], dtype=tl.float32)
         for k0 in tl.static_range(0, K, BLOCK_K):
             byte = tl.load(w_rows[:, :, None, None] + k0 // 2 + jj)
             sc = tl.load(s_rows[:, :, None, None] + k0 // 16 + gg).to(tl.float32)
-            pair = tl.load(x_pairs + k0 // 2 + jj)
-            x_even, x_odd = (pair << 16).to(tl.float32, bitcast=True), (pair & -65536).to(tl.float32, bitcast=True)
+            x_even, x_odd = _pairs(x_rows[:, :, None, None], k0 // 2 + jj)
             acc += tl.sum(_e2m1(byte & 15) * x_even + _e2m1(byte >> 4) * x_odd, 3, keep_dims=True) * sc
         return tl.sum(tl.sum(acc, 3), 2) * 16384.0
     offs_k = tl.arange(0, BLOCK_K)[None, None, :]
