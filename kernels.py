@@ -13,8 +13,8 @@ Prompt chunks (flint.prefill_ops):
 - add_rms_norm, qk_norm_rope, route: the norms (and RoPE) and the routing of the chunk's rows, one pass each.
 
 Weights are bf16 [N, K] or NVFP4 (flint.NVFP4: nibble plane [N, K/2], e4m3 scales [N, K/16], fp32 row scale),
-dequantized in registers (no FP4 tensor cores on SM90). Every product is exact in fp32 and sums accumulate in fp32,
-like the references; kernels differ from them only in summation order (and, in attention, in the running max that
+dequantized in registers (no FP4 tensor cores on SM90). Every product is exact in fp32 (NVFP4 decode GEMVs: for
+inputs of magnitude 2^-31 to 2^96, see _rows_dot) and sums accumulate in fp32, like the references; kernels differ from them only in summation order (and, in attention, in the running max that
 P is rounded against). Kernels also run under TRITON_INTERPRET=1 (CPU CI): there bf16 is emulated, so tensors are
 cast to fp32 right after loading and tl.dot runs in fp32.
 """
@@ -59,6 +59,18 @@ def _e2m1(code):
     bit 15, and the bitcast gives 0, 0.5, 1, ..., 6 times 2^-14 (fp16 subnormals for 0 and 0.5)."""
     c = code.to(tl.uint16)
     return (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e2m1_at(word, s: tl.constexpr):
+    """The E2M1 code at bits s .. s+3 of int32 word -> its value / 2^126 as fp32: the sign to bit 31, the 3 magnitude
+    bits to bits 22-24 (exponent and first mantissa bit; 0.5 becomes the subnormal 2^-127). Exact (fp32 FMAs keep
+    subnormals); two shifts and two masks."""
+    if s <= 22:
+        mag = (word << (22 - s)) & 0x01C00000
+    else:
+        mag = (word >> (s - 22)) & 0x01C00000
+    return (mag | ((word << (28 - s)) & -2147483648)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -181,33 +193,39 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
             acc = _dot(acc, x_even, _e2m1(byte & 15) * sc)
             acc = _dot(acc, x_odd, _e2m1(byte >> 4) * sc)
     elif NVFP4:
-        # [BLOCK_N, groups of 16, 8 bytes]: products summed per group, then scaled once per group
+        # [BLOCK_N, groups of 16, 2 int32 words] of 4 bytes r each, decoded in place as in _rows_dot; products summed
+        # per group, then scaled once per group
         G: tl.constexpr = BLOCK_K // 16
-        jj = tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :]               # byte in the chunk [G, 8]
+        qq = tl.arange(0, G)[:, None] * 2 + tl.arange(0, 2)[None, :]              # word in the chunk [G, 2]
         offs_g = tl.arange(0, G)
-        wide = tl.zeros([acc.shape[1], G], dtype=tl.float32)             # one row: summed over groups at the end
+        wide = tl.zeros([acc.shape[1], G, 2], dtype=tl.float32)          # one row: summed over groups at the end
         for k0 in tl.static_range(0, K, BLOCK_K):
-            jb = k0 // 2 + jj
-            byte = tl.load(w_ptr + offs_n[:, None, None] * (K // 2) + jb[None, :, :],
-                           mask=nmask[:, None, None] & _below(jb, K // 2, EVEN)[None, :, :], other=0)
+            qw = k0 // 8 + qq
+            word = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + offs_n[:, None, None] * (K // 8) + qw[None, :, :],
+                           mask=nmask[:, None, None] & _below(qw, K // 8, EVEN)[None, :, :], other=0)
             smask = nmask[:, None] & _below(k0 // 16 + offs_g, K // 16, EVEN)[None, :]
-            sc = _load_f32(s_ptr + offs_n[:, None] * (K // 16) + k0 // 16 + offs_g[None, :], smask) * 16384.0
+            sc = _load_f32(s_ptr + offs_n[:, None] * (K // 16) + k0 // 16 + offs_g[None, :], smask)
+            sc = (sc * 1.9807040628566084e28)[:, :, None]                # x 2^94 undoes the decoding's scalings
             rstd = _rstd_first(rstd, k0, x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD, BLOCK_B, BLOCK_K, EVEN, RSTD)
-            w_lo, w_hi = _e2m1(byte & 15), _e2m1(byte >> 4)
             for b in tl.static_range(BLOCK_B):
                 rstd_b = tl.sum(tl.where(offs_b == b, rstd, 0.0), 0)
-                if EVEN:
-                    x_even, x_odd = _input_pairs(x_ptr, dx_ptr, nw_ptr, rstd_b, b, jb, stride_b, ADD, NORM)
-                else:
-                    x_even = _input_row(x_ptr, dx_ptr, nw_ptr, rstd_b, b, 2 * jb, B, K, stride_b, ADD, NORM, EVEN)
-                    x_odd = _input_row(x_ptr, dx_ptr, nw_ptr, rstd_b, b, 2 * jb + 1, B, K, stride_b, ADD, NORM, EVEN)
-                part = tl.sum(w_lo * x_even[None, :, :] + w_hi * x_odd[None, :, :], 2)
+                part = tl.zeros([acc.shape[1], G, 2], dtype=tl.float32)
+                for r in tl.static_range(4):
+                    j = 4 * qw + r                                    # input pair (elements 2j, 2j + 1)
+                    if EVEN:
+                        x_even, x_odd = _input_pairs(x_ptr, dx_ptr, nw_ptr, rstd_b, b, j, stride_b, ADD, NORM)
+                    else:
+                        x_even = _input_row(x_ptr, dx_ptr, nw_ptr, rstd_b, b, 2 * j, B, K, stride_b, ADD, NORM, EVEN)
+                        x_odd = _input_row(x_ptr, dx_ptr, nw_ptr, rstd_b, b, 2 * j + 1, B, K, stride_b, ADD, NORM,
+                                           EVEN)
+                    part += _e2m1_at(word, 8 * r) * (x_even * 4294967296.0)[None, :, :]
+                    part += _e2m1_at(word, 8 * r + 4) * (x_odd * 4294967296.0)[None, :, :]
                 if BLOCK_B == 1:
                     wide += part * sc
                 else:
-                    acc = _put_row(acc, tl.sum(part * sc, 1), offs_b, b)
+                    acc = _put_row(acc, tl.sum(tl.sum(part * sc, 2), 1), offs_b, b)
         if BLOCK_B == 1:
-            acc += tl.sum(wide, 1)[None, :]
+            acc += tl.sum(tl.sum(wide, 2), 1)[None, :]
     else:
         offs_k = tl.arange(0, BLOCK_K)
         wide = tl.zeros([acc.shape[1], BLOCK_K], dtype=tl.float32)       # one row: products summed at the end
@@ -772,19 +790,24 @@ def _rows_dot(x_rows, w_rows, s_rows, K: tl.constexpr, NVFP4: tl.constexpr, BLOC
     program is issued before its one reduction, so a decode program waits on memory once, not once per expert and
     step. The shapes must be even (BLOCK_K divides K): no masks."""
     if NVFP4:
-        # byte j of a row holds elements 2j (low nibble) and 2j+1 (high): read as one int32 of the input (two
-        # bf16); one e4m3 scale per 16 elements (8 bytes): products summed per group of 16, then scaled once per
-        # group (x 2^14 undoes _e2m1's scaling)
+        # int32 word q of a group of 16 elements (8 bytes) holds bytes r = 0..3, byte j elements 2j (low nibble) and
+        # 2j+1 (high): each decoded in place (_e2m1_at), against the input read as int32 pairs (two bf16) scaled by
+        # 2^32; products summed per group, then scaled once per group (x 2^94 undoes both scalings). Products stay
+        # exact for inputs of magnitude 2^-31 to 2^96 (smaller ones round at 2^-56 absolute; larger overflow)
         G: tl.constexpr = BLOCK_K // 16
-        jj = (tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :])[None, None, :, :]   # [1, 1, G, 8]
-        gg = tl.arange(0, G)[None, None, :, None]                                           # [1, 1, G, 1]
-        acc = tl.zeros([w_rows.shape[0], w_rows.shape[1], G, 1], dtype=tl.float32)
+        qq = (tl.arange(0, G)[:, None] * 2 + tl.arange(0, 2)[None, :])[None, None, :, :]   # word [1, 1, G, 2]
+        gg = tl.arange(0, G)[None, None, :, None]
+        acc = tl.zeros([w_rows.shape[0], w_rows.shape[1], G, 2], dtype=tl.float32)
         for k0 in tl.static_range(0, K, BLOCK_K):
-            byte = tl.load(w_rows[:, :, None, None] + k0 // 2 + jj)
-            sc = tl.load(s_rows[:, :, None, None] + k0 // 16 + gg).to(tl.float32)
-            x_even, x_odd = _pairs(x_rows[:, :, None, None], k0 // 2 + jj)
-            acc += tl.sum(_e2m1(byte & 15) * x_even + _e2m1(byte >> 4) * x_odd, 3, keep_dims=True) * sc
-        return tl.sum(tl.sum(acc, 3), 2) * 16384.0
+            word = tl.load(w_rows.to(tl.pointer_type(tl.int32))[:, :, None, None] + k0 // 8 + qq)
+            sc = tl.load(s_rows[:, :, None, None] + k0 // 16 + gg).to(tl.float32) * 1.9807040628566084e28
+            part = tl.zeros([w_rows.shape[0], w_rows.shape[1], G, 2], dtype=tl.float32)
+            for r in tl.static_range(4):
+                x_even, x_odd = _pairs(x_rows[:, :, None, None], k0 // 2 + 4 * qq + r)
+                part += _e2m1_at(word, 8 * r) * (x_even * 4294967296.0)
+                part += _e2m1_at(word, 8 * r + 4) * (x_odd * 4294967296.0)
+            acc += part * sc
+        return tl.sum(tl.sum(acc, 3), 2)
     offs_k = tl.arange(0, BLOCK_K)[None, None, :]
     acc = tl.zeros([w_rows.shape[0], w_rows.shape[1], BLOCK_K], dtype=tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):
