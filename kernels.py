@@ -14,9 +14,10 @@ Prompt chunks (flint.prefill_ops):
 
 Weights are bf16 [N, K] or NVFP4 (flint.NVFP4: nibble plane [N, K/2], e4m3 scales [N, K/16], fp32 row scale),
 dequantized in registers (no FP4 tensor cores on SM90). Every product is exact in fp32 (NVFP4 decode GEMVs: for
-inputs of magnitude 2^-31 to 2^96, see _rows_dot) and sums accumulate in fp32, like the references; kernels differ from them only in summation order (and, in attention, in the running max that
-P is rounded against). Kernels also run under TRITON_INTERPRET=1 (CPU CI): there bf16 is emulated, so tensors are
-cast to fp32 right after loading and tl.dot runs in fp32.
+inputs of magnitude 2^-31 to 2^96, see _rows_dot) and sums accumulate in fp32, like the references; kernels differ
+from them only in summation order (and, in attention, in the running max that P is rounded against). Kernels also
+run under TRITON_INTERPRET=1 (CPU CI): there bf16 is emulated, so tensors are cast to fp32 right after loading and
+tl.dot runs in fp32.
 """
 import os
 
