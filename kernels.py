@@ -62,6 +62,9 @@ def _e2m1(code):
     return (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True).to(tl.float32)
 
 
+NIBBLE_UNSCALE = tl.constexpr(2.0 ** 94)   # undoes _nibble_products' scalings: 2^126 (codes) / 2^32 (inputs)
+
+
 @triton.jit
 def _e2m1_at(word, s: tl.constexpr):
     """The E2M1 code at bits s .. s+3 of int32 word -> its value / 2^126 as fp32: the sign to bit 31, the 3 magnitude
@@ -72,6 +75,15 @@ def _e2m1_at(word, s: tl.constexpr):
     else:
         mag = (word >> (s - 22)) & 0x01C00000
     return (mag | ((word << (28 - s)) & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nibble_products(acc, word, r: tl.constexpr, x_even, x_odd):
+    """acc + byte r of int32 word (elements 2j, 2j + 1 in its low and high nibble) times its inputs x_even, x_odd,
+    as two fp32 FMAs, scaled by 2^-94 (NIBBLE_UNSCALE undoes it once per group): the inputs are scaled by 2^32 so
+    that products of inputs of magnitude 2^-31 to 2^96 stay exact (not subnormal, not overflowing)."""
+    acc += _e2m1_at(word, 8 * r) * (x_even * 4294967296.0)
+    return acc + _e2m1_at(word, 8 * r + 4) * (x_odd * 4294967296.0)
 
 
 @triton.jit
@@ -122,22 +134,25 @@ def _input_row(x_ptr, dx_ptr, nw_ptr, rstd, b, offs_k, B, K, stride_b,
 
 
 @triton.jit
-def _pairs(ptr, j):
-    """bf16 elements 2j and 2j + 1 at ptr, read as one int32 each (any shape of j), as fp32 (even, odd)."""
-    pair = tl.load(ptr.to(tl.pointer_type(tl.int32)) + j)
+def _pairs(ptr, j, mask=None):
+    """bf16 elements 2j and 2j + 1 at ptr, read as one int32 each (any shape of j), as fp32 (even, odd); masked
+    pairs read as 0."""
+    ptr = ptr.to(tl.pointer_type(tl.int32)) + j
+    pair = tl.load(ptr) if mask is None else tl.load(ptr, mask=mask, other=0)
     return (pair << 16).to(tl.float32, bitcast=True), (pair & -65536).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _input_pairs(x_ptr, dx_ptr, nw_ptr, rstd, b, j, stride_b, ADD: tl.constexpr, NORM: tl.constexpr):
-    """_input_row at columns 2j and 2j + 1 (even, odd) for an even shape (row b exists, every column < K): each pair
-    of columns one int32 load."""
-    x_even, x_odd = _pairs(x_ptr + b * stride_b, j)
+def _input_pairs(x_ptr, dx_ptr, nw_ptr, rstd, b, j, B, K, stride_b,
+                 ADD: tl.constexpr, NORM: tl.constexpr, EVEN: tl.constexpr):
+    """_input_row at columns 2j and 2j + 1 (even, odd; K even), each pair of columns one int32 load."""
+    mask = _below(j, tl.where(b < B, K // 2, 0), EVEN)                 # rows past B read as 0
+    x_even, x_odd = _pairs(x_ptr + b * stride_b, j, mask)
     if ADD:
-        dx_even, dx_odd = _pairs(dx_ptr + b * stride_b, j)
+        dx_even, dx_odd = _pairs(dx_ptr + b * stride_b, j, mask)
         x_even, x_odd = x_even + dx_even, x_odd + dx_odd
     if NORM:
-        nw_even, nw_odd = _pairs(nw_ptr, j)
+        nw_even, nw_odd = _pairs(nw_ptr, j, _below(j, K // 2, EVEN))
         x_even, x_odd = _round_bf16(x_even * rstd * nw_even), _round_bf16(x_odd * rstd * nw_odd)
     return x_even, x_odd
 
@@ -206,21 +221,15 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
                            mask=nmask[:, None, None] & _below(qw, K // 8, EVEN)[None, :, :], other=0)
             smask = nmask[:, None] & _below(k0 // 16 + offs_g, K // 16, EVEN)[None, :]
             sc = _load_f32(s_ptr + offs_n[:, None] * (K // 16) + k0 // 16 + offs_g[None, :], smask)
-            sc = (sc * 1.9807040628566084e28)[:, :, None]                # x 2^94 undoes the decoding's scalings
+            sc = (sc * NIBBLE_UNSCALE)[:, :, None]
             rstd = _rstd_first(rstd, k0, x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD, BLOCK_B, BLOCK_K, EVEN, RSTD)
             for b in tl.static_range(BLOCK_B):
                 rstd_b = tl.sum(tl.where(offs_b == b, rstd, 0.0), 0)
                 part = tl.zeros([acc.shape[1], G, 2], dtype=tl.float32)
-                for r in tl.static_range(4):
-                    j = 4 * qw + r                                    # input pair (elements 2j, 2j + 1)
-                    if EVEN:
-                        x_even, x_odd = _input_pairs(x_ptr, dx_ptr, nw_ptr, rstd_b, b, j, stride_b, ADD, NORM)
-                    else:
-                        x_even = _input_row(x_ptr, dx_ptr, nw_ptr, rstd_b, b, 2 * j, B, K, stride_b, ADD, NORM, EVEN)
-                        x_odd = _input_row(x_ptr, dx_ptr, nw_ptr, rstd_b, b, 2 * j + 1, B, K, stride_b, ADD, NORM,
-                                           EVEN)
-                    part += _e2m1_at(word, 8 * r) * (x_even * 4294967296.0)[None, :, :]
-                    part += _e2m1_at(word, 8 * r + 4) * (x_odd * 4294967296.0)[None, :, :]
+                for r in tl.static_range(4):                          # input pairs 4 qw + r
+                    x_even, x_odd = _input_pairs(x_ptr, dx_ptr, nw_ptr, rstd_b, b, 4 * qw + r, B, K, stride_b, ADD,
+                                                 NORM, EVEN)
+                    part = _nibble_products(part, word, r, x_even, x_odd)   # (inputs [G, 2] broadcast)
                 if BLOCK_B == 1:
                     wide += part * sc
                 else:
@@ -792,21 +801,20 @@ def _rows_dot(x_rows, w_rows, s_rows, K: tl.constexpr, NVFP4: tl.constexpr, BLOC
     step. The shapes must be even (BLOCK_K divides K): no masks."""
     if NVFP4:
         # int32 word q of a group of 16 elements (8 bytes) holds bytes r = 0..3, byte j elements 2j (low nibble) and
-        # 2j+1 (high): each decoded in place (_e2m1_at), against the input read as int32 pairs (two bf16) scaled by
-        # 2^32; products summed per group, then scaled once per group (x 2^94 undoes both scalings). Products stay
-        # exact for inputs of magnitude 2^-31 to 2^96 (smaller ones round at 2^-56 absolute; larger overflow)
+        # 2j+1 (high): each decoded in place (_nibble_products), against the input read as int32 pairs (two bf16);
+        # products summed per group, then scaled once per group. Products stay exact for inputs of magnitude 2^-31
+        # to 2^96 (smaller ones round at 2^-56 absolute; larger overflow)
         G: tl.constexpr = BLOCK_K // 16
         qq = (tl.arange(0, G)[:, None] * 2 + tl.arange(0, 2)[None, :])[None, None, :, :]   # word [1, 1, G, 2]
         gg = tl.arange(0, G)[None, None, :, None]
         acc = tl.zeros([w_rows.shape[0], w_rows.shape[1], G, 2], dtype=tl.float32)
         for k0 in tl.static_range(0, K, BLOCK_K):
             word = tl.load(w_rows.to(tl.pointer_type(tl.int32))[:, :, None, None] + k0 // 8 + qq)
-            sc = tl.load(s_rows[:, :, None, None] + k0 // 16 + gg).to(tl.float32) * 1.9807040628566084e28
+            sc = tl.load(s_rows[:, :, None, None] + k0 // 16 + gg).to(tl.float32) * NIBBLE_UNSCALE
             part = tl.zeros([w_rows.shape[0], w_rows.shape[1], G, 2], dtype=tl.float32)
             for r in tl.static_range(4):
                 x_even, x_odd = _pairs(x_rows[:, :, None, None], k0 // 2 + 4 * qq + r)
-                part += _e2m1_at(word, 8 * r) * (x_even * 4294967296.0)
-                part += _e2m1_at(word, 8 * r + 4) * (x_odd * 4294967296.0)
+                part = _nibble_products(part, word, r, x_even, x_odd)
             acc += part * sc
         return tl.sum(tl.sum(acc, 3), 2)
     offs_k = tl.arange(0, BLOCK_K)[None, None, :]
