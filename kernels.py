@@ -13,11 +13,10 @@ Prompt chunks (flint.prefill_ops):
 - add_rms_norm, qk_norm_rope, route: the norms (and RoPE) and the routing of the chunk's rows, one pass each.
 
 Weights are bf16 [N, K] or NVFP4 (flint.NVFP4: nibble plane [N, K/2], e4m3 scales [N, K/16], fp32 row scale),
-dequantized in registers (no FP4 tensor cores on SM90). Every product is exact in fp32 (NVFP4 decode GEMVs: for
-inputs of magnitude 2^-31 to 2^96, see _rows_dot) and sums accumulate in fp32, like the references; kernels differ
-from them only in summation order (and, in attention, in the running max that P is rounded against). Kernels also
-run under TRITON_INTERPRET=1 (CPU CI): there bf16 is emulated, so tensors are cast to fp32 right after loading and
-tl.dot runs in fp32.
+dequantized in registers (no FP4 tensor cores on SM90). Every product is exact in fp32 and sums accumulate in fp32,
+like the references; kernels differ from them only in summation order (and, in attention, in the running max that
+P is rounded against). Kernels also run under TRITON_INTERPRET=1 (CPU CI): there bf16 is emulated, so tensors are
+cast to fp32 right after loading and tl.dot runs in fp32.
 """
 import os
 
@@ -60,30 +59,6 @@ def _e2m1(code):
     bit 15, and the bitcast gives 0, 0.5, 1, ..., 6 times 2^-14 (fp16 subnormals for 0 and 0.5)."""
     c = code.to(tl.uint16)
     return (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-NIBBLE_UNSCALE = tl.constexpr(2.0 ** 94)   # undoes _nibble_products' scalings: 2^126 (codes) / 2^32 (inputs)
-
-
-@triton.jit
-def _e2m1_at(word, s: tl.constexpr):
-    """The E2M1 code at bits s .. s+3 of int32 word -> its value / 2^126 as fp32: the sign to bit 31, the 3 magnitude
-    bits to bits 22-24 (exponent and first mantissa bit; 0.5 becomes the subnormal 2^-127). Exact (fp32 FMAs keep
-    subnormals); two shifts and two masks."""
-    if s <= 22:
-        mag = (word << (22 - s)) & 0x01C00000
-    else:
-        mag = (word >> (s - 22)) & 0x01C00000
-    return (mag | ((word << (28 - s)) & -2147483648)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _nibble_products(acc, word, r: tl.constexpr, x_even, x_odd):
-    """acc + byte r of int32 word (elements 2j, 2j + 1 in its low and high nibble) times its inputs x_even, x_odd,
-    as two fp32 FMAs, scaled by 2^-94 (NIBBLE_UNSCALE undoes it once per group): the inputs are scaled by 2^32 so
-    that products of inputs of magnitude 2^-31 to 2^96 stay exact (not subnormal, not overflowing)."""
-    acc += _e2m1_at(word, 8 * r) * (x_even * 4294967296.0)
-    return acc + _e2m1_at(word, 8 * r + 4) * (x_odd * 4294967296.0)
 
 
 @triton.jit
@@ -134,25 +109,22 @@ def _input_row(x_ptr, dx_ptr, nw_ptr, rstd, b, offs_k, B, K, stride_b,
 
 
 @triton.jit
-def _pairs(ptr, j, mask=None):
-    """bf16 elements 2j and 2j + 1 at ptr, read as one int32 each (any shape of j), as fp32 (even, odd); masked
-    pairs read as 0."""
-    ptr = ptr.to(tl.pointer_type(tl.int32)) + j
-    pair = tl.load(ptr) if mask is None else tl.load(ptr, mask=mask, other=0)
+def _pairs(ptr, j):
+    """bf16 elements 2j and 2j + 1 at ptr, read as one int32 each (any shape of j), as fp32 (even, odd)."""
+    pair = tl.load(ptr.to(tl.pointer_type(tl.int32)) + j)
     return (pair << 16).to(tl.float32, bitcast=True), (pair & -65536).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _input_pairs(x_ptr, dx_ptr, nw_ptr, rstd, b, j, B, K, stride_b,
-                 ADD: tl.constexpr, NORM: tl.constexpr, EVEN: tl.constexpr):
-    """_input_row at columns 2j and 2j + 1 (even, odd; K even), each pair of columns one int32 load."""
-    mask = _below(j, tl.where(b < B, K // 2, 0), EVEN)                 # rows past B read as 0
-    x_even, x_odd = _pairs(x_ptr + b * stride_b, j, mask)
+def _input_pairs(x_ptr, dx_ptr, nw_ptr, rstd, b, j, stride_b, ADD: tl.constexpr, NORM: tl.constexpr):
+    """_input_row at columns 2j and 2j + 1 (even, odd) for an even shape (row b exists, every column < K): each pair
+    of columns one int32 load."""
+    x_even, x_odd = _pairs(x_ptr + b * stride_b, j)
     if ADD:
-        dx_even, dx_odd = _pairs(dx_ptr + b * stride_b, j, mask)
+        dx_even, dx_odd = _pairs(dx_ptr + b * stride_b, j)
         x_even, x_odd = x_even + dx_even, x_odd + dx_odd
     if NORM:
-        nw_even, nw_odd = _pairs(nw_ptr, j, _below(j, K // 2, EVEN))
+        nw_even, nw_odd = _pairs(nw_ptr, j)
         x_even, x_odd = _round_bf16(x_even * rstd * nw_even), _round_bf16(x_odd * rstd * nw_odd)
     return x_even, x_odd
 
@@ -209,33 +181,33 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
             acc = _dot(acc, x_even, _e2m1(byte & 15) * sc)
             acc = _dot(acc, x_odd, _e2m1(byte >> 4) * sc)
     elif NVFP4:
-        # [BLOCK_N, groups of 16, 2 int32 words] of 4 bytes r each, decoded in place as in _rows_dot; products summed
-        # per group, then scaled once per group
+        # [BLOCK_N, groups of 16, 8 bytes]: products summed per group, then scaled once per group
         G: tl.constexpr = BLOCK_K // 16
-        qq = tl.arange(0, G)[:, None] * 2 + tl.arange(0, 2)[None, :]              # word in the chunk [G, 2]
+        jj = tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :]               # byte in the chunk [G, 8]
         offs_g = tl.arange(0, G)
-        wide = tl.zeros([acc.shape[1], G, 2], dtype=tl.float32)          # one row: summed over groups at the end
+        wide = tl.zeros([acc.shape[1], G], dtype=tl.float32)             # one row: summed over groups at the end
         for k0 in tl.static_range(0, K, BLOCK_K):
-            qw = k0 // 8 + qq
-            word = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + offs_n[:, None, None] * (K // 8) + qw[None, :, :],
-                           mask=nmask[:, None, None] & _below(qw, K // 8, EVEN)[None, :, :], other=0)
+            jb = k0 // 2 + jj
+            byte = tl.load(w_ptr + offs_n[:, None, None] * (K // 2) + jb[None, :, :],
+                           mask=nmask[:, None, None] & _below(jb, K // 2, EVEN)[None, :, :], other=0)
             smask = nmask[:, None] & _below(k0 // 16 + offs_g, K // 16, EVEN)[None, :]
-            sc = _load_f32(s_ptr + offs_n[:, None] * (K // 16) + k0 // 16 + offs_g[None, :], smask)
-            sc = (sc * NIBBLE_UNSCALE)[:, :, None]
+            sc = _load_f32(s_ptr + offs_n[:, None] * (K // 16) + k0 // 16 + offs_g[None, :], smask) * 16384.0
             rstd = _rstd_first(rstd, k0, x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD, BLOCK_B, BLOCK_K, EVEN, RSTD)
+            w_lo, w_hi = _e2m1(byte & 15), _e2m1(byte >> 4)
             for b in tl.static_range(BLOCK_B):
                 rstd_b = tl.sum(tl.where(offs_b == b, rstd, 0.0), 0)
-                part = tl.zeros([acc.shape[1], G, 2], dtype=tl.float32)
-                for r in tl.static_range(4):                          # input pairs 4 qw + r
-                    x_even, x_odd = _input_pairs(x_ptr, dx_ptr, nw_ptr, rstd_b, b, 4 * qw + r, B, K, stride_b, ADD,
-                                                 NORM, EVEN)
-                    part = _nibble_products(part, word, r, x_even, x_odd)   # (inputs [G, 2] broadcast)
+                if EVEN:
+                    x_even, x_odd = _input_pairs(x_ptr, dx_ptr, nw_ptr, rstd_b, b, jb, stride_b, ADD, NORM)
+                else:
+                    x_even = _input_row(x_ptr, dx_ptr, nw_ptr, rstd_b, b, 2 * jb, B, K, stride_b, ADD, NORM, EVEN)
+                    x_odd = _input_row(x_ptr, dx_ptr, nw_ptr, rstd_b, b, 2 * jb + 1, B, K, stride_b, ADD, NORM, EVEN)
+                part = tl.sum(w_lo * x_even[None, :, :] + w_hi * x_odd[None, :, :], 2)
                 if BLOCK_B == 1:
                     wide += part * sc
                 else:
-                    acc = _put_row(acc, tl.sum(tl.sum(part * sc, 2), 1), offs_b, b)
+                    acc = _put_row(acc, tl.sum(part * sc, 1), offs_b, b)
         if BLOCK_B == 1:
-            acc += tl.sum(tl.sum(wide, 2), 1)[None, :]
+            acc += tl.sum(wide, 1)[None, :]
     else:
         offs_k = tl.arange(0, BLOCK_K)
         wide = tl.zeros([acc.shape[1], BLOCK_K], dtype=tl.float32)       # one row: products summed at the end
@@ -307,14 +279,16 @@ def _weight_args(w):
     return w, w, w, False
 
 
-def _block_b(B):
+def _block_b(B, dot=True):
+    """Input rows a program takes: 1 alone; 2..64 padded to a power of two, from 16 up (tensor cores) with dot."""
     assert 1 <= B <= 64, f"decode kernels take 1..64 rows, got {B}"
-    return max(1, triton.next_power_of_2(B))
+    return 1 if B == 1 else max(16 if dot else 1, triton.next_power_of_2(B))
 
 
 # Tiles (BLOCK_N, BLOCK_K, num_warps) per kernel, rows (1; 2-8: one multiply-sum per row; 16-64: tensor cores)
 # and weight format: measured on an H200, the fastest of a sweep over 2..16 x 256..2048 x 2..8 warps (16..64 x
 # 64..256 x 4..8 on tensor cores) at Flint's shapes (.dev/tune.py), the GEMV ones summed over qkv, o and router.
+# Since then bf16 takes tensor cores from 5 rows (see _launch_linear).
 TILES = {
     # kernel      rows  nvfp4
     ("gemv",         1, False): (4, 2048, 8),
@@ -400,8 +374,12 @@ def _launch_linear(x, dx, norm_w, w, eps, swiglu=False, f32=False):
     norm = norm_w is not None
     x_out = torch.empty_like(x) if norm else x
     h_out = torch.empty_like(x) if norm else x
-    BLOCK_B = _block_b(B)
+    # tensor cores (rows padded to 16) from 9 rows, and bf16 from 5 except for the router's 256 output rows (at 8
+    # rows: bf16 881.8 against 667.0 tok/s; NVFP4 slower there on tensor cores, 442.1 against 633.8)
+    BLOCK_B = _block_b(B, dot=B > 8 or (B > 4 and not nvfp4 and N_out >= 1024))
     BLOCK_N, BLOCK_K, warps = tiles("gemv_wide" if N_out >= 32768 else "gemv", BLOCK_B, nvfp4, K)
+    while BLOCK_B < 16 and BLOCK_N > 1 and N_out // BLOCK_N < 256:    # few rows (the router): more programs
+        BLOCK_N //= 2
     grid = (triton.cdiv(N_out, BLOCK_N),)
     _linear_kernel[grid](
         x, dx if dx is not None else x, norm_w if norm else x, x_out, h_out,
@@ -800,23 +778,19 @@ def _rows_dot(x_rows, w_rows, s_rows, K: tl.constexpr, NVFP4: tl.constexpr, BLOC
     program is issued before its one reduction, so a decode program waits on memory once, not once per expert and
     step. The shapes must be even (BLOCK_K divides K): no masks."""
     if NVFP4:
-        # int32 word q of a group of 16 elements (8 bytes) holds bytes r = 0..3, byte j elements 2j (low nibble) and
-        # 2j+1 (high): each decoded in place (_nibble_products), against the input read as int32 pairs (two bf16);
-        # products summed per group, then scaled once per group. Products stay exact for inputs of magnitude 2^-31
-        # to 2^96 (smaller ones round at 2^-56 absolute; larger overflow)
+        # byte j of a row holds elements 2j (low nibble) and 2j+1 (high): read as one int32 of the input (two
+        # bf16); one e4m3 scale per 16 elements (8 bytes): products summed per group of 16, then scaled once per
+        # group (x 2^14 undoes _e2m1's scaling)
         G: tl.constexpr = BLOCK_K // 16
-        qq = (tl.arange(0, G)[:, None] * 2 + tl.arange(0, 2)[None, :])[None, None, :, :]   # word [1, 1, G, 2]
-        gg = tl.arange(0, G)[None, None, :, None]
-        acc = tl.zeros([w_rows.shape[0], w_rows.shape[1], G, 2], dtype=tl.float32)
+        jj = (tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :])[None, None, :, :]   # [1, 1, G, 8]
+        gg = tl.arange(0, G)[None, None, :, None]                                           # [1, 1, G, 1]
+        acc = tl.zeros([w_rows.shape[0], w_rows.shape[1], G, 1], dtype=tl.float32)
         for k0 in tl.static_range(0, K, BLOCK_K):
-            word = tl.load(w_rows.to(tl.pointer_type(tl.int32))[:, :, None, None] + k0 // 8 + qq)
-            sc = tl.load(s_rows[:, :, None, None] + k0 // 16 + gg).to(tl.float32) * NIBBLE_UNSCALE
-            part = tl.zeros([w_rows.shape[0], w_rows.shape[1], G, 2], dtype=tl.float32)
-            for r in tl.static_range(4):
-                x_even, x_odd = _pairs(x_rows[:, :, None, None], k0 // 2 + 4 * qq + r)
-                part = _nibble_products(part, word, r, x_even, x_odd)
-            acc += part * sc
-        return tl.sum(tl.sum(acc, 3), 2)
+            byte = tl.load(w_rows[:, :, None, None] + k0 // 2 + jj)
+            sc = tl.load(s_rows[:, :, None, None] + k0 // 16 + gg).to(tl.float32)
+            x_even, x_odd = _pairs(x_rows[:, :, None, None], k0 // 2 + jj)
+            acc += tl.sum(_e2m1(byte & 15) * x_even + _e2m1(byte >> 4) * x_odd, 3, keep_dims=True) * sc
+        return tl.sum(tl.sum(acc, 3), 2) * 16384.0
     offs_k = tl.arange(0, BLOCK_K)[None, None, :]
     acc = tl.zeros([w_rows.shape[0], w_rows.shape[1], BLOCK_K], dtype=tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):
