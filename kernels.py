@@ -310,6 +310,12 @@ TILES = {
 }
 
 
+# GEMVs of 5 to 8 bf16 batch rows go to tensor cores from DOT_MIN_N output rows (not the router's 256); below 16
+# batch rows, GEMVs of fewer than MIN_PROGRAMS row blocks take narrower blocks (smaller under the interpreter, whose
+# tests have tiny shapes)
+DOT_MIN_N, MIN_PROGRAMS = (32, 2) if INTERPRET else (1024, 256)
+
+
 def tiles(kernel, BLOCK_B, nvfp4, K):
     """(BLOCK_N, BLOCK_K, num_warps) for a GEMV over K-wide rows; small tiles under the interpreter."""
     rows = 1 if BLOCK_B == 1 else 8 if BLOCK_B <= 8 else 64
@@ -374,11 +380,11 @@ def _launch_linear(x, dx, norm_w, w, eps, swiglu=False, f32=False):
     norm = norm_w is not None
     x_out = torch.empty_like(x) if norm else x
     h_out = torch.empty_like(x) if norm else x
-    # tensor cores (rows padded to 16) from 9 rows, and bf16 from 5 except for the router's 256 output rows (at 8
-    # rows: bf16 881.8 against 667.0 tok/s; NVFP4 slower there on tensor cores, 442.1 against 633.8)
-    BLOCK_B = _block_b(B, dot=B > 8 or (B > 4 and not nvfp4 and N_out >= 1024))
+    # tensor cores (batch rows padded to 16) from 9 batch rows, bf16 from 5 (H200, batch 8: bf16 881.8 against 667.0
+    # tok/s; NVFP4 slower there on tensor cores, 442.1 against 633.8)
+    BLOCK_B = _block_b(B, dot=B > 8 or (B > 4 and not nvfp4 and N_out >= DOT_MIN_N))
     BLOCK_N, BLOCK_K, warps = tiles("gemv_wide" if N_out >= 32768 else "gemv", BLOCK_B, nvfp4, K)
-    while BLOCK_B < 16 and BLOCK_N > 1 and N_out // BLOCK_N < 256:    # few rows (the router): more programs
+    while BLOCK_B < 16 and BLOCK_N > 1 and N_out // BLOCK_N < MIN_PROGRAMS:
         BLOCK_N //= 2
     grid = (triton.cdiv(N_out, BLOCK_N),)
     _linear_kernel[grid](
