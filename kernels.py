@@ -109,22 +109,25 @@ def _input_row(x_ptr, dx_ptr, nw_ptr, rstd, b, offs_k, B, K, stride_b,
 
 
 @triton.jit
-def _pairs(ptr, j):
-    """bf16 elements 2j and 2j + 1 at ptr, read as one int32 each (any shape of j), as fp32 (even, odd)."""
-    pair = tl.load(ptr.to(tl.pointer_type(tl.int32)) + j)
+def _pairs(ptr, j, mask=None):
+    """bf16 elements 2j and 2j + 1 at ptr, read as one int32 each (any shape of j), as fp32 (even, odd); masked
+    pairs read as 0."""
+    ptr = ptr.to(tl.pointer_type(tl.int32)) + j
+    pair = tl.load(ptr) if mask is None else tl.load(ptr, mask=mask, other=0)
     return (pair << 16).to(tl.float32, bitcast=True), (pair & -65536).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _input_pairs(x_ptr, dx_ptr, nw_ptr, rstd, b, j, stride_b, ADD: tl.constexpr, NORM: tl.constexpr):
-    """_input_row at columns 2j and 2j + 1 (even, odd) for an even shape (row b exists, every column < K): each pair
-    of columns one int32 load."""
-    x_even, x_odd = _pairs(x_ptr + b * stride_b, j)
+def _input_pairs(x_ptr, dx_ptr, nw_ptr, rstd, b, j, B, K, stride_b,
+                 ADD: tl.constexpr, NORM: tl.constexpr, EVEN: tl.constexpr):
+    """_input_row at columns 2j and 2j + 1 (even, odd; K even), each pair of columns one int32 load."""
+    mask = _below(j, tl.where(b < B, K // 2, 0), EVEN)                 # rows past B read as 0
+    x_even, x_odd = _pairs(x_ptr + b * stride_b, j, mask)
     if ADD:
-        dx_even, dx_odd = _pairs(dx_ptr + b * stride_b, j)
+        dx_even, dx_odd = _pairs(dx_ptr + b * stride_b, j, mask)
         x_even, x_odd = x_even + dx_even, x_odd + dx_odd
     if NORM:
-        nw_even, nw_odd = _pairs(nw_ptr, j)
+        nw_even, nw_odd = _pairs(nw_ptr, j, _below(j, K // 2, EVEN))
         x_even, x_odd = _round_bf16(x_even * rstd * nw_even), _round_bf16(x_odd * rstd * nw_odd)
     return x_even, x_odd
 
@@ -196,11 +199,7 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
             w_lo, w_hi = _e2m1(byte & 15), _e2m1(byte >> 4)
             for b in tl.static_range(BLOCK_B):
                 rstd_b = tl.sum(tl.where(offs_b == b, rstd, 0.0), 0)
-                if EVEN:
-                    x_even, x_odd = _input_pairs(x_ptr, dx_ptr, nw_ptr, rstd_b, b, jb, stride_b, ADD, NORM)
-                else:
-                    x_even = _input_row(x_ptr, dx_ptr, nw_ptr, rstd_b, b, 2 * jb, B, K, stride_b, ADD, NORM, EVEN)
-                    x_odd = _input_row(x_ptr, dx_ptr, nw_ptr, rstd_b, b, 2 * jb + 1, B, K, stride_b, ADD, NORM, EVEN)
+                x_even, x_odd = _input_pairs(x_ptr, dx_ptr, nw_ptr, rstd_b, b, jb, B, K, stride_b, ADD, NORM, EVEN)
                 part = tl.sum(w_lo * x_even[None, :, :] + w_hi * x_odd[None, :, :], 2)
                 if BLOCK_B == 1:
                     wide += part * sc
@@ -279,8 +278,9 @@ def _weight_args(w):
     return w, w, w, False
 
 
-def _block_b(B, dot=True):
-    """Input rows a program takes: 1 alone; 2..64 padded to a power of two, from 16 up (tensor cores) with dot."""
+def _block_b(B, dot=False):
+    """Input rows a program takes: 1 alone; 2..64 padded to a power of two, and to at least 16 with dot (16 rows
+    and up run on tensor cores)."""
     assert 1 <= B <= 64, f"decode kernels take 1..64 rows, got {B}"
     return 1 if B == 1 else max(16 if dot else 1, triton.next_power_of_2(B))
 
@@ -288,7 +288,6 @@ def _block_b(B, dot=True):
 # Tiles (BLOCK_N, BLOCK_K, num_warps) per kernel, rows (1; 2-8: one multiply-sum per row; 16-64: tensor cores)
 # and weight format: measured on an H200, the fastest of a sweep over 2..16 x 256..2048 x 2..8 warps (16..64 x
 # 64..256 x 4..8 on tensor cores) at Flint's shapes (.dev/tune.py), the GEMV ones summed over qkv, o and router.
-# Since then bf16 takes tensor cores from 5 rows (see _launch_linear).
 TILES = {
     # kernel      rows  nvfp4
     ("gemv",         1, False): (4, 2048, 8),
@@ -380,9 +379,8 @@ def _launch_linear(x, dx, norm_w, w, eps, swiglu=False, f32=False):
     norm = norm_w is not None
     x_out = torch.empty_like(x) if norm else x
     h_out = torch.empty_like(x) if norm else x
-    # tensor cores (batch rows padded to 16) from 9 batch rows, bf16 from 5 (H200, batch 8: bf16 881.8 against 667.0
-    # tok/s; NVFP4 slower there on tensor cores, 442.1 against 633.8)
-    BLOCK_B = _block_b(B, dot=B > 8 or (B > 4 and not nvfp4 and N_out >= DOT_MIN_N))
+    # (H200, batch 8: bf16 881.8 tok/s on tensor cores against 667.0; NVFP4 442.1 against 633.8, so not NVFP4)
+    BLOCK_B = _block_b(B, dot=B > 4 and not nvfp4 and N_out >= DOT_MIN_N)
     BLOCK_N, BLOCK_K, warps = tiles("gemv_wide" if N_out >= 32768 else "gemv", BLOCK_B, nvfp4, K)
     while BLOCK_B < 16 and BLOCK_N > 1 and N_out // BLOCK_N < MIN_PROGRAMS:
         BLOCK_N //= 2
