@@ -309,9 +309,10 @@ TILES = {
 }
 
 
-# GEMVs of 5 to 8 bf16 batch rows go to tensor cores from DOT_MIN_N output rows (not the router's 256); below 16
-# batch rows, GEMVs of fewer than MIN_PROGRAMS row blocks take narrower blocks (smaller under the interpreter, whose
-# tests have tiny shapes)
+# GEMVs of DOT_MIN_ROWS to 8 bf16 batch rows go to tensor cores from DOT_MIN_N output rows (not the router's 256);
+# below 16 batch rows, GEMVs of fewer than MIN_PROGRAMS row blocks take narrower blocks (smaller under the
+# interpreter, whose tests have tiny shapes)
+DOT_MIN_ROWS = 5
 DOT_MIN_N, MIN_PROGRAMS = (32, 2) if INTERPRET else (1024, 256)
 
 
@@ -380,7 +381,7 @@ def _launch_linear(x, dx, norm_w, w, eps, swiglu=False, f32=False):
     x_out = torch.empty_like(x) if norm else x
     h_out = torch.empty_like(x) if norm else x
     # (H200, batch 8: bf16 881.8 tok/s on tensor cores against 667.0; NVFP4 442.1 against 633.8, so not NVFP4)
-    BLOCK_B = _block_b(B, dot=B > 4 and not nvfp4 and N_out >= DOT_MIN_N)
+    BLOCK_B = _block_b(B, dot=B >= DOT_MIN_ROWS and not nvfp4 and N_out >= DOT_MIN_N)
     BLOCK_N, BLOCK_K, warps = tiles("gemv_wide" if N_out >= 32768 else "gemv", BLOCK_B, nvfp4, K)
     while BLOCK_B < 16 and BLOCK_N > 1 and N_out // BLOCK_N < MIN_PROGRAMS:
         BLOCK_N //= 2
@@ -417,6 +418,34 @@ def linear(x, w):
 
 
 @triton.jit
+def _kv_tile(k_cache_ptr, v_cache_ptr, cache_b, slot, mask, stride_cs, D: tl.constexpr):
+    """Keys (halves: dims d and d + D/2) and values [len(slot), ...] of one kv head at cache slots `slot`, as tl.dot
+    operands; masked slots read as 0."""
+    offs_d, offs_v = tl.arange(0, D // 2), tl.arange(0, D)
+    kc = k_cache_ptr + cache_b + slot[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
+    vc = v_cache_ptr + cache_b + slot[:, None].to(tl.int64) * stride_cs + offs_v[None, :]
+    return _load_operand(kc, mask[:, None]), _load_operand(kc + D // 2, mask[:, None]), _load_operand(vc, mask[:, None])
+
+
+@triton.jit
+def _attend(q1, q2, k1, k2, v, kt1, kt2, vt, is_new, visible, m_i, l_i, acc, qk_scale):
+    """One online-softmax step of the query rows (halves q1, q2) over a tile of cached keys and values, whose slot
+    is_new takes this token's k1, k2, v from registers (another program may be writing it right now): the running
+    max m_i (log2 units), row sum l_i and unnormalized output acc, updated."""
+    kt1 = tl.where(is_new[:, None], k1[None, :].to(kt1.dtype), kt1)
+    kt2 = tl.where(is_new[:, None], k2[None, :].to(kt2.dtype), kt2)
+    vt = tl.where(is_new[:, None], v[None, :].to(vt.dtype), vt)
+    s = _dot(_dot(tl.zeros([q1.shape[0], kt1.shape[0]], dtype=tl.float32), q1, kt1), q2, kt2)
+    s = tl.where(visible[None, :], s * qk_scale, float("-inf"))       # log2 units: scale * log2(e) folded in
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)              # nothing visible yet: all weights 0
+    alpha = tl.exp2(m_i - m_ref)
+    pexp = tl.exp2(s - m_ref[:, None])
+    # unnormalized P rounded to bf16 for P @ V (the serving reference), fp32 row sum
+    return m_new, l_i * alpha + tl.sum(pexp, 1), _dot(acc * alpha[:, None], _round_bf16(pexp), tl.trans(vt))
+
+
+@triton.jit
 def _attention_decode_kernel(
     # pointers
     qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
@@ -430,14 +459,25 @@ def _attention_decode_kernel(
     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     b, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    DTYPE: tl.constexpr = tl.float32 if INTERPRET_DOT else tl.bfloat16  # tl.dot operands
     R: tl.constexpr = H // G                                          # query heads per kv head
     HALF: tl.constexpr = D // 2
-    p = tl.load(pos_ptr + b)
     offs_r = tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, HALF)
+    offs_v = tl.arange(0, D)
+    offs_s = tl.arange(0, BLOCK_S)
     rmask = offs_r[:, None] < R
     row = qkv_ptr + b * stride_qkv
+    cache_b = b.to(tl.int64) * stride_cb + g * D
+    if WINDOW > 0:
+        # Sliding layers: the ring's S slots hold the last S positions, and slot i is visible once written
+        # (i <= p) whatever position it holds (the softmax sum does not care about key order). So this split's
+        # slots are known before the position is read, and its first tile's loads go first.
+        chunk = tl.cdiv(tl.cdiv(S, NUM_SPLITS), BLOCK_S) * BLOCK_S
+        start = split * chunk
+        end = tl.minimum(start + chunk, S)
+        kt1, kt2, vt = _kv_tile(k_cache_ptr, v_cache_ptr, cache_b, start + offs_s, start + offs_s < end,
+                                stride_cs, D)
+    p = tl.load(pos_ptr + b)
 
     # ---- q of the R heads of group g and this token's k, v: per-head RMSNorm (shared weight), rounded, then
     # NeoX RoPE on sliding layers over the halves (d, d + D/2) from the fp32 table, rounded once
@@ -450,50 +490,37 @@ def _attention_decode_kernel(
         cos, sin = tl.load(cos_ptr + p * HALF + offs_d), tl.load(sin_ptr + p * HALF + offs_d)
     q1, q2 = _norm_rope(q1, q2, qn_ptr, cos, sin, eps, D, WINDOW > 0)
     k1, k2 = _norm_rope(k1, k2, kn_ptr, cos, sin, eps, D, WINDOW > 0)
-    offs_v = tl.arange(0, D)
     v = _load_f32(row + (H + G + g) * D + offs_v, offs_v < D)
 
     # ---- store k, v at slot p % S (the ring on sliding layers; S = max length on full layers, p < S)
-    cache_b = b.to(tl.int64) * stride_cb + g * D
     if split == 0:
         new = cache_b + (p % S).to(tl.int64) * stride_cs
         tl.store(k_cache_ptr + new + offs_d, _to_bf16(k1))
         tl.store(k_cache_ptr + new + HALF + offs_d, _to_bf16(k2))
         tl.store(v_cache_ptr + new + offs_v, _to_bf16(v))
 
-    # ---- the n visible keys are positions p - n + 1 .. p; this split takes one contiguous share of them.
-    # The newest key comes from registers (another program may be writing its slot right now).
-    n = p + 1
-    if WINDOW > 0:
-        n = tl.minimum(n, WINDOW)
-    chunk = tl.cdiv(tl.cdiv(n, NUM_SPLITS), BLOCK_S) * BLOCK_S
-    start = split * chunk
-    end = tl.minimum(start + chunk, n)
+    # ---- attend over this split's keys
     m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
-    offs_s = tl.arange(0, BLOCK_S)
-    for s0 in range(start, end, BLOCK_S):
-        i = s0 + offs_s
-        valid = i < end
-        kp = p - n + 1 + i                                            # key positions
-        slot = (kp % S).to(tl.int64)
-        is_new = (kp == p)[:, None]
-        kc = k_cache_ptr + cache_b + slot[:, None] * stride_cs + offs_d[None, :]
-        kt1 = tl.where(is_new, k1[None, :].to(DTYPE), _load_operand(kc, valid[:, None]))
-        kt2 = tl.where(is_new, k2[None, :].to(DTYPE), _load_operand(kc + HALF, valid[:, None]))
-        vt = tl.where(is_new, v[None, :].to(DTYPE),
-                      _load_operand(v_cache_ptr + cache_b + slot[:, None] * stride_cs + offs_v[None, :],
-                                    valid[:, None]))
-        s = _dot(_dot(tl.zeros([BLOCK_R, BLOCK_S], dtype=tl.float32), q1, kt1), q2, kt2)
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))     # log2 units: scale * log2(e) folded in
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        pexp = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(pexp, 1)
-        # unnormalized P rounded to bf16 for P @ V (the serving reference), fp32 row sum
-        acc = _dot(acc * alpha[:, None], _round_bf16(pexp), tl.trans(vt))
-        m_i = m_new
+    if WINDOW > 0:
+        slot = start + offs_s
+        m_i, l_i, acc = _attend(q1, q2, k1, k2, v, kt1, kt2, vt, slot == p % S, (slot < end) & (slot <= p),
+                                m_i, l_i, acc, qk_scale)
+        for s0 in range(start + BLOCK_S, end, BLOCK_S):              # more tiles: batches of fewer splits
+            slot = s0 + offs_s
+            kt1, kt2, vt = _kv_tile(k_cache_ptr, v_cache_ptr, cache_b, slot, slot < end, stride_cs, D)
+            m_i, l_i, acc = _attend(q1, q2, k1, k2, v, kt1, kt2, vt, slot == p % S, (slot < end) & (slot <= p),
+                                    m_i, l_i, acc, qk_scale)
+    else:
+        # full layers: slot = position; the p + 1 visible keys in NUM_SPLITS contiguous shares
+        chunk = tl.cdiv(tl.cdiv(p + 1, NUM_SPLITS), BLOCK_S) * BLOCK_S
+        end = tl.minimum(split * chunk + chunk, p + 1)
+        for s0 in range(split * chunk, end, BLOCK_S):
+            slot = s0 + offs_s
+            kt1, kt2, vt = _kv_tile(k_cache_ptr, v_cache_ptr, cache_b, slot, slot < end, stride_cs, D)
+            m_i, l_i, acc = _attend(q1, q2, k1, k2, v, kt1, kt2, vt, slot == p, slot < end, m_i, l_i, acc,
+                                    qk_scale)
 
     # ---- partials [B, H, NUM_SPLITS] (m in log2 units) and [B, H, NUM_SPLITS, D]
     h = g * R + offs_r
@@ -522,10 +549,11 @@ def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, o_ptr,
     tl.store(o_ptr + (b * H + h) * D + offs_d, _to_bf16(o))
 
 
-# splits of the sliding window and keys per step there; on full layers keys per split (min_splits to 128 splits)
-# and keys per step; warps, pipeline stages: the fastest of a sweep on an H200 at batch 1; larger batches take
-# fewer splits, down to ~`programs` programs in all
-ATTENTION = dict(sliding_splits=16, sliding_block=16, keys_per_split=1024, min_splits=32, full_block=64, warps=8,
+# splits of the sliding window and keys per step there (one step per split at batch 1 and 8); on full layers keys
+# per split (min_splits to 128 splits) and keys per step; warps, pipeline stages: the fastest of sweeps on an H200
+# (sliding layers, 2026-12-03, us per layer at batch 1 / 8 / 64: 6.90 / 15.62 / 37.23 against 16 x 64 keys 6.86 /
+# 20.06 / 44.07 and 16 x 16 7.14 / 15.16 / 45.58); larger batches take fewer splits, down to ~`programs` programs
+ATTENTION = dict(sliding_splits=32, sliding_block=32, keys_per_split=1024, min_splits=32, full_block=64, warps=8,
                  stages=3, programs=512)
 
 
@@ -537,6 +565,7 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
     assert qkv.shape == (B, (H + 2 * G) * D) and qkv.is_contiguous() and qkv.dtype == torch.bfloat16
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.bfloat16
     assert pos.shape == (B,) and sinks.dtype == torch.float32 and cos.dtype == torch.float32
+    assert not window or S <= window, f"a sliding layer's ring holds at most {window} slots, got {S}"
     # enough programs to fill the GPU at batch 1 (4 kv heads); the interpreter runs programs one by one
     t = ATTENTION if not INTERPRET else dict(sliding_splits=2, sliding_block=16, keys_per_split=16, min_splits=4,
                                              full_block=16, warps=4, stages=1, programs=8)
@@ -544,6 +573,8 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
         max(t["min_splits"], min(128, triton.next_power_of_2(triton.cdiv(S, t["keys_per_split"]))))
     NUM_SPLITS = min(NUM_SPLITS, triton.next_power_of_2(triton.cdiv(t["programs"], B * G)))  # (fewer partials)
     BLOCK_S, warps = t["sliding_block" if window else "full_block"], t["warps"]
+    if window:                                                        # one tile per split when it fits
+        BLOCK_S = max(16, min(BLOCK_S, triton.next_power_of_2(triton.cdiv(S, NUM_SPLITS))))
     m = torch.empty(B, H, NUM_SPLITS, device=qkv.device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(B, H, NUM_SPLITS, D, device=qkv.device, dtype=torch.float32)
