@@ -1140,12 +1140,13 @@ def test_add_norm_linear_kernel(B, nvfp4):
         close(g, r)
 
 
-@pytest.mark.parametrize("window, S, H, G", [(5, 5, 4, 2), (0, 40, 8, 2), (7, 7, 8, 8)])
+@pytest.mark.parametrize("window, S, H, G", [(5, 5, 4, 2), (0, 40, 8, 2), (7, 7, 8, 8), (40, 40, 8, 2)])
 def test_attention_decode_kernel(window, S, H, G):
-    """Positions before, at and past the ring's wrap, two rows at different positions, GQA groups 1..4."""
+    """Positions before, at and past the ring's wrap, two rows at different positions, GQA groups 1..4; a ring of
+    40 slots takes two key steps per split (the interpreter's 2 splits of 16-key steps)."""
     B, D = 2, 32
     cfg = flint.Config(rope_theta=10000.0, head_dim=D)
-    cos, sin = flint.rope_table(cfg, 64, DEV)
+    cos, sin = flint.rope_table(cfg, max(64, 2 * S + 8), DEV)
     q_norm, k_norm = rand_act(D, seed=5).float().abs().to(torch.bfloat16), rand_act(D, seed=6)
     sinks = torch.randn(H, device=DEV)
     for step, pos in enumerate([[0, 3], [4, 5], [6, 12], [S - 1, 2 * S + 3]]):
