@@ -347,10 +347,10 @@ REFERENCE_OPS = SimpleNamespace(add_norm_linear=add_norm_linear_ref, add_norm_sw
                                 qk_norm_rope=qk_norm_rope_ref, sink_attention=sink_attention_ref)
 
 
-MAX_DECODE_BATCH = 64  # sequences per decode step (the decode kernels' row tiles, kernels._block_b)
+MAX_DECODE_BATCH = 64  # sequences per decode step (benchmarked and tested up to here)
 # From this many rows (sequences of a decode step, tokens of a chunk) weights go through GEMMs: from 9 rows the
 # decode GEMVs take 16-row tiles anyway, and GEMMs are faster there (H200, batch 16: bf16 1514.8 tok/s against
-# 1170.6, NVFP4 960.3 against 434.9)
+# 1170.6, NVFP4 960.3 against 434.9). At most 9: the decode GEMV kernels take up to 8 rows.
 GEMM_MIN_ROWS = 9
 
 

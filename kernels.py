@@ -162,28 +162,14 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
           ADD: tl.constexpr, NORM: tl.constexpr, NVFP4: tl.constexpr,
           BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr, RSTD: tl.constexpr):
     """acc[b, n] += input[b, :] . W[offs_n, :] over all of K, for a bf16 or NVFP4 weight (rows offs_n < N); returns
-    (acc, rstd). From 16 rows up on tensor cores (bf16 operands: the values are bf16-exact, so products are exact);
-    below, one broadcast multiply-sum per row. EVEN: BLOCK_K divides K, all rows offs_n are < N and all BLOCK_B
-    input rows are < B, so no load needs a per-element mask (a third fewer instructions in the NVFP4 GEMV). RSTD:
-    the norm's 1 / rms of each row is computed here, once the first weight tile is on its way (the weight reads
-    then overlap the norm's reduction)."""
+    (acc, rstd). With 16 rows (bf16 weights) on tensor cores (bf16 operands: the values are bf16-exact, so products
+    are exact); below, one broadcast multiply-sum per row. EVEN: BLOCK_K divides K, all rows offs_n are < N and all
+    BLOCK_B input rows are < B, so no load needs a per-element mask (a third fewer instructions in the NVFP4 GEMV).
+    RSTD: the norm's 1 / rms of each row is computed here, once the first weight tile is on its way (the weight
+    reads then overlap the norm's reduction)."""
     nmask = _below(offs_n, N, EVEN)
-    if NVFP4 and DOT:
-        # packed byte j of a row holds elements 2j (low nibble) and 2j+1 (high): even and odd input columns
-        # separately; one e4m3 scale per 16 elements = per 8 bytes (x 2^14 undoes _e2m1's scaling)
-        offs_j = tl.arange(0, BLOCK_K // 2)
-        for k0 in tl.static_range(0, K, BLOCK_K):
-            wmask = nmask[:, None] & _below(k0 + 2 * offs_j[None, :], K, EVEN)
-            byte = tl.load(w_ptr + offs_n[:, None] * (K // 2) + k0 // 2 + offs_j[None, :], mask=wmask, other=0)
-            sc = _load_f32(s_ptr + offs_n[:, None] * (K // 16) + k0 // 16 + offs_j[None, :] // 8, wmask) * 16384.0
-            rstd = _rstd_first(rstd, k0, x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD, BLOCK_B, BLOCK_K, EVEN, RSTD)
-            x_even = _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, k0 + 2 * offs_j, B, K, stride_b, ADD, NORM,
-                                 EVEN)
-            x_odd = _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, k0 + 2 * offs_j + 1, B, K, stride_b, ADD, NORM,
-                                EVEN)
-            acc = _dot(acc, x_even, _e2m1(byte & 15) * sc)
-            acc = _dot(acc, x_odd, _e2m1(byte >> 4) * sc)
-    elif NVFP4:
+    tl.static_assert(not (NVFP4 and DOT), "NVFP4 GEMVs run one multiply-sum per row")
+    if NVFP4:
         # [BLOCK_N, groups of 16, 8 bytes]: products summed per group, then scaled once per group
         G: tl.constexpr = BLOCK_K // 16
         jj = tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :]               # byte in the chunk [G, 8]
@@ -279,29 +265,28 @@ def _weight_args(w):
 
 
 def _block_b(B, dot=False):
-    """Input rows a program takes: 1 alone; 2..64 padded to a power of two, and to at least 16 with dot (16 rows
-    and up run on tensor cores)."""
-    assert 1 <= B <= 64, f"decode kernels take 1..64 rows, got {B}"
-    return 1 if B == 1 else max(16 if dot else 1, triton.next_power_of_2(B))
+    """Input rows a program takes: 1 alone; 2..8 padded to a power of two, or to 16 on tensor cores (dot). Decode
+    steps of more sequences run their weight ops as GEMMs (flint.GEMM_MIN_ROWS)."""
+    assert 1 <= B <= 8, f"the decode GEMV kernels take 1..8 rows (more go through GEMMs), got {B}"
+    return 1 if B == 1 else 16 if dot else triton.next_power_of_2(B)
 
 
-# Tiles (BLOCK_N, BLOCK_K, num_warps) per kernel, rows (1; 2-8: one multiply-sum per row; 16-64: tensor cores)
-# and weight format: measured on an H200, the fastest of a sweep over 2..16 x 256..2048 x 2..8 warps (16..64 x
-# 64..256 x 4..8 on tensor cores) at Flint's shapes (.dev/tune.py), the GEMV ones summed over qkv, o and router.
+# Tiles (BLOCK_N, BLOCK_K, num_warps) per kernel, rows (1; 2-8: one multiply-sum per row; 16: 5-8 bf16 rows padded,
+# on tensor cores) and weight format: measured on an H200, the fastest of a sweep over 2..16 x 256..2048 x 2..8 warps
+# (16..64 x 64..256 x 4..8 on tensor cores, swept at 64 rows) at Flint's shapes (.dev/tune.py), the GEMV ones summed
+# over qkv, o and router.
 TILES = {
     # kernel      rows  nvfp4
     ("gemv",         1, False): (4, 2048, 8),
     ("gemv",         1, True): (4, 2048, 4),
     ("gemv",         8, False): (8, 1024, 4),
     ("gemv",         8, True): (4, 1024, 4),
-    ("gemv",        64, False): (16, 256, 4),
-    ("gemv",        64, True): (16, 256, 4),
+    ("gemv",        16, False): (16, 256, 4),
     ("gemv_wide",    1, False): (8, 2048, 2),
     ("gemv_wide",    1, True): (16, 256, 2),
     ("gemv_wide",    8, False): (16, 1024, 2),
     ("gemv_wide",    8, True): (8, 512, 2),
-    ("gemv_wide",   64, False): (16, 256, 4),
-    ("gemv_wide",   64, True): (16, 256, 4),
+    ("gemv_wide",   16, False): (16, 256, 4),
     ("moe_gate_up",  1, False): (8, 1024, 4),
     ("moe_gate_up",  1, True): (4, 1024, 4),
     ("moe_down",     1, False): (4, 512, 4),                          # (BLOCK_K: whole expert rows)
@@ -318,7 +303,7 @@ DOT_MIN_N, MIN_PROGRAMS = (32, 2) if INTERPRET else (1024, 256)
 
 def tiles(kernel, BLOCK_B, nvfp4, K):
     """(BLOCK_N, BLOCK_K, num_warps) for a GEMV over K-wide rows; small tiles under the interpreter."""
-    rows = 1 if BLOCK_B == 1 else 8 if BLOCK_B <= 8 else 64
+    rows = 1 if BLOCK_B == 1 else 8 if BLOCK_B <= 8 else 16
     BLOCK_N, BLOCK_K, warps = (16, 64, 4) if INTERPRET else TILES[kernel, rows, nvfp4]
     return BLOCK_N, min(BLOCK_K, max(16, triton.next_power_of_2(K))), warps
 
