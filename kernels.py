@@ -295,7 +295,7 @@ TILES = {
 
 
 # GEMVs of DOT_MIN_ROWS to 8 bf16 batch rows go to tensor cores from DOT_MIN_N output rows (not the router's 256);
-# below 16 batch rows, GEMVs of fewer than MIN_PROGRAMS row blocks take narrower blocks (smaller under the
+# off tensor cores, GEMVs of fewer than MIN_PROGRAMS row blocks take narrower blocks (smaller under the
 # interpreter, whose tests have tiny shapes)
 DOT_MIN_ROWS = 5
 DOT_MIN_N, MIN_PROGRAMS = (32, 2) if INTERPRET else (1024, 256)
