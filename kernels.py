@@ -413,10 +413,12 @@ def _kv_tile(k_cache_ptr, v_cache_ptr, cache_b, slot, mask, stride_cs, D: tl.con
 
 
 @triton.jit
-def _attend(q1, q2, k1, k2, v, kt1, kt2, vt, is_new, visible, m_i, l_i, acc, qk_scale):
-    """One online-softmax step of the query rows (halves q1, q2) over a tile of cached keys and values, whose slot
-    is_new takes this token's k1, k2, v from registers (another program may be writing it right now): the running
-    max m_i (log2 units), row sum l_i and unnormalized output acc, updated."""
+def _attend(q1, q2, k1, k2, v, kt1, kt2, vt, slot, newest, p, end, m_i, l_i, acc, qk_scale):
+    """One online-softmax step of the query rows (halves q1, q2) over the cached keys and values kt1, kt2, vt of
+    `slot`: slots below end that were written (slot <= p) are visible, and slot `newest` takes this token's k1, k2, v
+    from registers (another program may be writing it right now). Returns the running max m_i (log2 units), row sum
+    l_i and unnormalized output acc, updated."""
+    is_new, visible = slot == newest, (slot < end) & (slot <= p)
     kt1 = tl.where(is_new[:, None], k1[None, :].to(kt1.dtype), kt1)
     kt2 = tl.where(is_new[:, None], k2[None, :].to(kt2.dtype), kt2)
     vt = tl.where(is_new[:, None], v[None, :].to(vt.dtype), vt)
@@ -478,34 +480,30 @@ def _attention_decode_kernel(
     v = _load_f32(row + (H + G + g) * D + offs_v, offs_v < D)
 
     # ---- store k, v at slot p % S (the ring on sliding layers; S = max length on full layers, p < S)
+    newest = p % S
     if split == 0:
-        new = cache_b + (p % S).to(tl.int64) * stride_cs
+        new = cache_b + newest.to(tl.int64) * stride_cs
         tl.store(k_cache_ptr + new + offs_d, _to_bf16(k1))
         tl.store(k_cache_ptr + new + HALF + offs_d, _to_bf16(k2))
         tl.store(v_cache_ptr + new + offs_v, _to_bf16(v))
 
-    # ---- attend over this split's keys
+    # ---- attend over this split's slots start .. end - 1
     m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
-    if WINDOW > 0:
-        slot = start + offs_s
-        m_i, l_i, acc = _attend(q1, q2, k1, k2, v, kt1, kt2, vt, slot == p % S, (slot < end) & (slot <= p),
-                                m_i, l_i, acc, qk_scale)
-        for s0 in range(start + BLOCK_S, end, BLOCK_S):              # more tiles: batches of fewer splits
-            slot = s0 + offs_s
-            kt1, kt2, vt = _kv_tile(k_cache_ptr, v_cache_ptr, cache_b, slot, slot < end, stride_cs, D)
-            m_i, l_i, acc = _attend(q1, q2, k1, k2, v, kt1, kt2, vt, slot == p % S, (slot < end) & (slot <= p),
-                                    m_i, l_i, acc, qk_scale)
+    if WINDOW > 0:                                                    # the tile loaded first
+        m_i, l_i, acc = _attend(q1, q2, k1, k2, v, kt1, kt2, vt, start + offs_s, newest, p, end, m_i, l_i, acc,
+                                qk_scale)
+        first = start + BLOCK_S                                       # (more tiles: batches of fewer splits)
     else:
         # full layers: slot = position; the p + 1 visible keys in NUM_SPLITS contiguous shares
         chunk = tl.cdiv(tl.cdiv(p + 1, NUM_SPLITS), BLOCK_S) * BLOCK_S
-        end = tl.minimum(split * chunk + chunk, p + 1)
-        for s0 in range(split * chunk, end, BLOCK_S):
-            slot = s0 + offs_s
-            kt1, kt2, vt = _kv_tile(k_cache_ptr, v_cache_ptr, cache_b, slot, slot < end, stride_cs, D)
-            m_i, l_i, acc = _attend(q1, q2, k1, k2, v, kt1, kt2, vt, slot == p, slot < end, m_i, l_i, acc,
-                                    qk_scale)
+        first = split * chunk
+        end = tl.minimum(first + chunk, p + 1)
+    for s0 in range(first, end, BLOCK_S):
+        slot = s0 + offs_s
+        kt1, kt2, vt = _kv_tile(k_cache_ptr, v_cache_ptr, cache_b, slot, slot < end, stride_cs, D)
+        m_i, l_i, acc = _attend(q1, q2, k1, k2, v, kt1, kt2, vt, slot, newest, p, end, m_i, l_i, acc, qk_scale)
 
     # ---- partials [B, H, NUM_SPLITS] (m in log2 units) and [B, H, NUM_SPLITS, D]
     h = g * R + offs_r

@@ -1428,7 +1428,8 @@ def test_decode_kernels_match_reference_path(nvfp4, grouped, monkeypatch):
     """Decode steps of a tiny model across the ring's wrap: inside each step, every Triton op on the reference
     op's inputs (the cache included) agrees with it to bf16 rounding, and writes the same cache entries. grouped:
     the weight ops as at large batch (GEMMs; the MoE's tokens grouped by expert)."""
-    monkeypatch.setattr(flint, "GEMM_MIN_ROWS", 2 if grouped else 9)
+    if grouped:
+        monkeypatch.setattr(flint, "GEMM_MIN_ROWS", 2)
     model = tiny_model(nvfp4)
     B, T = 2, 9
     ids = torch.randint(0, 300, (B, T + 4), generator=torch.Generator().manual_seed(0)).to(DEV)
@@ -1478,7 +1479,8 @@ def test_gpu_graph_generation_matches_reference(nvfp4, grouped, monkeypatch):
     """Greedy: 64 tokens from CUDA-graph replays of the Triton path equal the eager reference path's (grouped:
     with the MoE as at large batch, tokens grouped by expert inside the graph)."""
     from generate import generate
-    monkeypatch.setattr(flint, "GEMM_MIN_ROWS", 2 if grouped else 9)
+    if grouped:
+        monkeypatch.setattr(flint, "GEMM_MIN_ROWS", 2)
     model = well_conditioned(tiny_model(nvfp4, seed=1))
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
     out = []
