@@ -535,9 +535,10 @@ def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, o_ptr,
 # splits of the sliding window and keys per step there (one step per split at batch 1 and 8); on full layers keys
 # per split (min_splits to 128 splits) and keys per step; warps, pipeline stages: the fastest of sweeps on an H200
 # (sliding layers, 2026-12-03, us per layer at batch 1 / 8 / 64: 6.90 / 15.62 / 37.23 against 16 x 64 keys 6.86 /
-# 20.06 / 44.07 and 16 x 16 7.14 / 15.16 / 45.58); larger batches take fewer splits, down to ~`programs` programs
-ATTENTION = dict(sliding_splits=32, sliding_block=32, keys_per_split=1024, min_splits=32, full_block=64, warps=8,
-                 stages=3, programs=512)
+# 20.06 / 44.07 and 16 x 16 7.14 / 15.16 / 45.58; full layers at 32K, batch 1 / 8: 29.64 / 152.74 with 4 warps
+# against 37.23 / 207.39 with 8); larger batches take fewer splits, down to ~`programs` programs
+ATTENTION = dict(sliding_splits=32, sliding_block=32, sliding_warps=8, keys_per_split=1024, min_splits=32,
+                 full_block=64, full_warps=4, stages=3, programs=512)
 
 
 def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos, window, eps):
@@ -550,12 +551,13 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
     assert pos.shape == (B,) and sinks.dtype == torch.float32 and cos.dtype == torch.float32
     assert not window or S <= window, f"a sliding layer's ring holds at most {window} slots, got {S}"
     # enough programs to fill the GPU at batch 1 (4 kv heads); the interpreter runs programs one by one
-    t = ATTENTION if not INTERPRET else dict(sliding_splits=2, sliding_block=16, keys_per_split=16, min_splits=4,
-                                             full_block=16, warps=4, stages=1, programs=8)
+    t = ATTENTION if not INTERPRET else dict(sliding_splits=2, sliding_block=16, sliding_warps=4, keys_per_split=16,
+                                             min_splits=4, full_block=16, full_warps=4, stages=1, programs=8)
     NUM_SPLITS = t["sliding_splits"] if window else \
         max(t["min_splits"], min(128, triton.next_power_of_2(triton.cdiv(S, t["keys_per_split"]))))
     NUM_SPLITS = min(NUM_SPLITS, triton.next_power_of_2(triton.cdiv(t["programs"], B * G)))  # (fewer partials)
-    BLOCK_S, warps = t["sliding_block" if window else "full_block"], t["warps"]
+    kind = "sliding" if window else "full"
+    BLOCK_S, warps = t[kind + "_block"], t[kind + "_warps"]
     if window:                                                        # one tile per split when it fits
         BLOCK_S = max(16, min(BLOCK_S, triton.next_power_of_2(triton.cdiv(S, NUM_SPLITS))))
     m = torch.empty(B, H, NUM_SPLITS, device=qkv.device, dtype=torch.float32)
