@@ -1119,6 +1119,26 @@ def rand_act(*shape, seed=1):
     return torch.randn(*shape, generator=g).to(torch.bfloat16).to(DEV)
 
 
+@kernels.triton.jit
+def _e2m1_decode_kernel(byte_ptr, out_ptr):
+    offs = kernels.tl.arange(0, 256)
+    byte = kernels.tl.load(byte_ptr + offs)
+    lo, hi = kernels._e2m1_pair(byte)
+    kernels.tl.store(out_ptr + offs, lo)
+    kernels.tl.store(out_ptr + 256 + offs, hi)
+
+
+def test_e2m1_pair_decodes_every_byte():
+    """NVFP4 decoding, all 256 bytes: low and high code as E2M1 values x 2^-14 (on the GPU the inline-PTX decoder;
+    the interpreter runs the byte-by-byte one)."""
+    e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    byte = torch.arange(256, dtype=torch.uint8)
+    out = torch.empty(512, device=DEV)
+    _e2m1_decode_kernel[(1,)](byte.to(DEV), out)
+    want = torch.cat([e2m1[byte.long() & 15], e2m1[byte.long() >> 4]]) * 2.0 ** -14
+    assert torch.equal(out.cpu(), want) and torch.equal(out.cpu().signbit(), want.signbit())
+
+
 @pytest.mark.parametrize("B", [1, 3, 6, 8])                 # 6, 8: bf16 on tensor cores, NVFP4 not
 @pytest.mark.parametrize("nvfp4", [False, True])
 def test_add_norm_linear_kernel(B, nvfp4):
