@@ -80,11 +80,12 @@ mov.b32 {lo, hi}, p; cvt.f32.f16 $5, lo; cvt.f32.f16 $7, hi;
 
 
 @triton.jit
-def _e2m1_pair(byte):
-    """Bytes of two E2M1 codes -> (low code, high code) as _e2m1 gives them, fp32. On the GPU 4 bytes per block of
-    inline PTX: about 2.5 instructions per code where unpacking byte by byte takes about 7 (sm_90 code of the NVFP4
-    o_proj GEMV at batch 1: 824 instructions against 1160)."""
-    if INTERPRET_DOT:                                                 # (the interpreter runs no PTX)
+def _e2m1_pair(byte, PTX: tl.constexpr = True):
+    """Bytes of two E2M1 codes -> (low code, high code) as _e2m1 gives them, fp32. On the GPU (PTX) 4 bytes per block
+    of inline PTX: about 2.5 instructions per code where unpacking byte by byte takes about 7 (sm_90 code of the
+    NVFP4 o_proj GEMV at batch 1: 824 instructions against 1160); byte by byte without PTX or under the interpreter
+    (which runs no PTX)."""
+    if INTERPRET_DOT or not PTX:
         return _e2m1(byte & 15), _e2m1(byte >> 4)
     return tl.inline_asm_elementwise(_E2M1_BYTES_ASM, "=f,=f,=f,=f,=f,=f,=f,=f,r", [byte],
                                      dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
@@ -838,8 +839,8 @@ def _rows_dot(x_rows, w_rows, s_rows, K: tl.constexpr, NVFP4: tl.constexpr, BLOC
             byte = tl.load(w_rows[:, :, None, None] + k0 // 2 + jj)
             sc = tl.load(s_rows[:, :, None, None] + k0 // 16 + gg).to(tl.float32)
             x_even, x_odd = _pairs(x_rows[:, :, None, None], k0 // 2 + jj)
-            # (byte by byte here: _e2m1_pair measured slower in the decode MoE kernels, 25.0 vs 21.0 us per layer)
-            acc += tl.sum(_e2m1(byte & 15) * x_even + _e2m1(byte >> 4) * x_odd, 3, keep_dims=True) * sc
+            w_lo, w_hi = _e2m1_pair(byte, PTX=False)        # (with PTX: 25.0 vs 21.0 us per layer, H200 batch 1)
+            acc += tl.sum(w_lo * x_even + w_hi * x_odd, 3, keep_dims=True) * sc
         return tl.sum(tl.sum(acc, 3), 2) * 16384.0
     offs_k = tl.arange(0, BLOCK_K)[None, None, :]
     acc = tl.zeros([w_rows.shape[0], w_rows.shape[1], BLOCK_K], dtype=tl.float32)
