@@ -61,34 +61,32 @@ def _e2m1(code):
     return (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True).to(tl.float32)
 
 
-# Eight E2M1 codes at once (inline PTX; SM90 has no FP4 conversion): register $8 holds 4 bytes of the nibble plane,
-# byte i the codes of elements 2i (low nibble) and 2i + 1 (high). Two codes 16 bits apart (bytes i and i + 2) take
-# the same shift and masks as _e2m1 to land in the two fp16 halves of one register, so four shifts place all eight;
-# each half is then widened to fp32. Outputs in byte order: low nibbles $0..$3, high nibbles $4..$7.
+# Eight E2M1 codes at once (inline PTX; SM90 has no FP4 conversion): register $4 holds 4 bytes of the nibble plane,
+# byte i the codes of elements 2i (low nibble) and 2i + 1 (high). Bytes 1 and 2 swap places (prmt), so that codes
+# 16 bits apart are those of bytes (0, 1) and (2, 3); the same shift and masks as _e2m1 then land two codes in the
+# two fp16 halves of one register, four shifts for all eight. Outputs, two fp16 each, in element order: low nibbles
+# of bytes 0-1 ($0) and 2-3 ($1), high nibbles of bytes 0-1 ($2) and 2-3 ($3). The values stay fp16 until they
+# are used, so kernels that move them between threads move half the bytes of fp32.
 _E2M1_BYTES_ASM = tl.constexpr("""{
-.reg .b32 a, b, p;
-.reg .b16 lo, hi;
-shl.b32 a, $8, 9; and.b32 a, a, 0x0E000E00; shl.b32 b, $8, 12; and.b32 b, b, 0x80008000; or.b32 p, a, b;
-mov.b32 {lo, hi}, p; cvt.f32.f16 $0, lo; cvt.f32.f16 $2, hi;
-shl.b32 a, $8, 5; and.b32 a, a, 0x0E000E00; shl.b32 b, $8, 8; and.b32 b, b, 0x80008000; or.b32 p, a, b;
-mov.b32 {lo, hi}, p; cvt.f32.f16 $4, lo; cvt.f32.f16 $6, hi;
-shl.b32 a, $8, 1; and.b32 a, a, 0x0E000E00; shl.b32 b, $8, 4; and.b32 b, b, 0x80008000; or.b32 p, a, b;
-mov.b32 {lo, hi}, p; cvt.f32.f16 $1, lo; cvt.f32.f16 $3, hi;
-shr.b32 a, $8, 3; and.b32 a, a, 0x0E000E00; and.b32 b, $8, 0x80008000; or.b32 p, a, b;
-mov.b32 {lo, hi}, p; cvt.f32.f16 $5, lo; cvt.f32.f16 $7, hi;
+.reg .b32 r, a, b;
+prmt.b32 r, $4, 0, 0x3120;
+shl.b32 a, r, 9; and.b32 a, a, 0x0E000E00; shl.b32 b, r, 12; and.b32 b, b, 0x80008000; or.b32 $0, a, b;
+shl.b32 a, r, 1; and.b32 a, a, 0x0E000E00; shl.b32 b, r, 4; and.b32 b, b, 0x80008000; or.b32 $1, a, b;
+shl.b32 a, r, 5; and.b32 a, a, 0x0E000E00; shl.b32 b, r, 8; and.b32 b, b, 0x80008000; or.b32 $2, a, b;
+shr.b32 a, r, 3; and.b32 a, a, 0x0E000E00; and.b32 b, r, 0x80008000; or.b32 $3, a, b;
 }""")
 
 
 @triton.jit
-def _e2m1_pair(byte, PTX: tl.constexpr = True):
-    """Bytes of two E2M1 codes -> (low code, high code) as _e2m1 gives them, fp32. On the GPU (PTX) 4 bytes per block
-    of inline PTX: about 2.5 instructions per code where unpacking byte by byte takes about 7 (sm_90 code of the
-    NVFP4 o_proj GEMV at batch 1: 824 instructions against 1160); byte by byte without PTX or under the interpreter
-    (which runs no PTX)."""
-    if INTERPRET_DOT or not PTX:
+def _e2m1_pair(byte):
+    """Bytes of two E2M1 codes -> (low code, high code) as _e2m1 gives them, fp32. On the GPU 4 bytes per block of
+    inline PTX: about 1.7 instructions per code where unpacking byte by byte takes about 7 (sm_90 code of the NVFP4
+    decode MoE gate/up kernel: 1392 instructions against 1936); byte by byte under the interpreter (no PTX)."""
+    if INTERPRET_DOT:
         return _e2m1(byte & 15), _e2m1(byte >> 4)
-    return tl.inline_asm_elementwise(_E2M1_BYTES_ASM, "=f,=f,=f,=f,=f,=f,=f,=f,r", [byte],
-                                     dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+    lo, hi = tl.inline_asm_elementwise(_E2M1_BYTES_ASM, "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16),
+                                       is_pure=True, pack=4)
+    return lo.to(tl.float32), hi.to(tl.float32)
 
 
 @triton.jit
@@ -313,12 +311,12 @@ TILES = {
     ("gemv",         8, True): (4, 1024, 4),
     ("gemv",        16, False): (16, 256, 4),
     ("gemv_wide",    1, False): (8, 2048, 2),
-    ("gemv_wide",    1, True): (16, 256, 2),
+    ("gemv_wide",    1, True): (4, 2048, 4),
     ("gemv_wide",    8, False): (16, 1024, 2),
     ("gemv_wide",    8, True): (8, 512, 2),
     ("gemv_wide",   16, False): (16, 256, 4),
     ("moe_gate_up",  1, False): (8, 1024, 4),
-    ("moe_gate_up",  1, True): (4, 1024, 4),
+    ("moe_gate_up",  1, True): (2, 1024, 2),
     ("moe_down",     1, False): (4, 512, 4),                          # (BLOCK_K: whole expert rows)
     ("moe_down",     1, True): (4, 512, 4),
 }
@@ -839,7 +837,7 @@ def _rows_dot(x_rows, w_rows, s_rows, K: tl.constexpr, NVFP4: tl.constexpr, BLOC
             byte = tl.load(w_rows[:, :, None, None] + k0 // 2 + jj)
             sc = tl.load(s_rows[:, :, None, None] + k0 // 16 + gg).to(tl.float32)
             x_even, x_odd = _pairs(x_rows[:, :, None, None], k0 // 2 + jj)
-            w_lo, w_hi = _e2m1_pair(byte, PTX=False)        # (with PTX: 25.0 vs 21.0 us per layer, H200 batch 1)
+            w_lo, w_hi = _e2m1_pair(byte)
             acc += tl.sum(w_lo * x_even + w_hi * x_odd, 3, keep_dims=True) * sc
         return tl.sum(tl.sum(acc, 3), 2) * 16384.0
     offs_k = tl.arange(0, BLOCK_K)[None, None, :]
