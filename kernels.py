@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"   # set by the caller before importing triton
-INTERPRET_DOT = tl.constexpr(INTERPRET)                 # the interpreter's tl.dot needs fp32 operands
+IN_INTERPRETER = tl.constexpr(INTERPRET)                # INTERPRET in kernels: tl.dot on fp32, no PTX
 LOG2E = 1.4426950408889634                              # 1 / ln 2: softmax runs on exp2
 
 
@@ -83,7 +83,7 @@ def _e2m1_pair(byte):
     inline PTX: about 1.7 instructions per code where unpacking byte by byte takes about 7 (sm_90 code of the NVFP4
     decode MoE gate/up kernel at a (4, 1024, 4) tile: 1392 instructions against 1936); byte by byte under the
     interpreter (no PTX)."""
-    if INTERPRET_DOT:
+    if IN_INTERPRETER:
         return _e2m1(byte & 15), _e2m1(byte >> 4)
     lo, hi = tl.inline_asm_elementwise(_E2M1_BYTES_ASM, "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16),
                                        is_pure=True, pack=4)
@@ -119,7 +119,7 @@ def _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, offs_k, B, K, stride_b,
 def _dot(acc, x, w):
     """acc[b, n] += sum_k x[b, k] * w[n, k] on tensor cores (bf16 operands: the values are bf16-exact), fp32
     accumulation."""
-    if INTERPRET_DOT:
+    if IN_INTERPRETER:
         return acc + tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
     return acc + tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
 
@@ -164,7 +164,7 @@ def _input_pairs(x_ptr, dx_ptr, nw_ptr, rstd, b, j, B, K, stride_b,
 @triton.jit
 def _load_operand(ptr, mask):
     """A bf16 tile for tl.dot: as stored on the GPU; fp32 under the interpreter (its dot takes fp32)."""
-    if INTERPRET_DOT:
+    if IN_INTERPRETER:
         return _load_f32(ptr, mask)
     return tl.load(ptr, mask=mask, other=0.0)
 
@@ -178,7 +178,7 @@ def _put_row(acc, part, offs_b, b):
 @triton.jit
 def _rstd_first(rstd, k0, x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD: tl.constexpr, BLOCK_B: tl.constexpr,
                 BLOCK_K: tl.constexpr, EVEN: tl.constexpr, RSTD: tl.constexpr):
-    """rstd, computed (RSTD) in the first step of a GEMV's loop, after its weight loads were issued."""
+    """rstd, computed (RSTD) in the first step of a GEMV's loop, after its first weight loads in program order."""
     if RSTD:
         if k0 == 0:
             rstd = _row_rstd(x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD, BLOCK_B, BLOCK_K, EVEN)
@@ -194,8 +194,8 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
     (acc, rstd). With 16 rows (bf16 weights) on tensor cores (bf16 operands: the values are bf16-exact, so products
     are exact); below, one broadcast multiply-sum per row. EVEN: BLOCK_K divides K, all rows offs_n are < N and all
     BLOCK_B input rows are < B, so no load needs a per-element mask (a third fewer instructions in the NVFP4 GEMV).
-    RSTD: the norm's 1 / rms of each row is computed here, once the first weight tile is on its way (the weight
-    reads then overlap the norm's reduction)."""
+    RSTD: the norm's 1 / rms of each row is computed here, in the first step (ptxas issues the first weight tile's
+    loads after the reduction's first shuffles; a barrier that put them first measured slower on an H200)."""
     nmask = _below(offs_n, N, EVEN)
     tl.static_assert(not (NVFP4 and DOT), "NVFP4 GEMVs run one multiply-sum per row")
     if NVFP4:
@@ -652,7 +652,7 @@ def _sink_attention_kernel(
         kp = tl.load(kpos_ptr + b * stride_kpb + s, mask=smask, other=-1)
         kt = _load_f32(k_ptr + b * stride_kb + s[:, None] * stride_ks + g * D + offs_d[None, :], smask[:, None])
         vt = _load_f32(v_ptr + b * stride_vb + s[:, None] * stride_vs + g * D + offs_d[None, :], smask[:, None])
-        if INTERPRET_DOT:
+        if IN_INTERPRETER:
             sc = tl.dot(q, tl.trans(kt), input_precision="ieee")
         else:
             sc = tl.dot(q.to(tl.bfloat16), tl.trans(kt.to(tl.bfloat16)))
@@ -666,7 +666,7 @@ def _sink_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(sc - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if INTERPRET_DOT:
+        if IN_INTERPRETER:
             pv = tl.dot(_round_bf16(p), vt, input_precision="ieee")
         else:
             pv = tl.dot(p.to(tl.bfloat16), vt.to(tl.bfloat16))
