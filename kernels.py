@@ -303,17 +303,18 @@ def _block_b(B, dot=False):
 # Tiles (BLOCK_N, BLOCK_K, num_warps) per kernel, rows (1; 2-8: one multiply-sum per row; 16: 5-8 bf16 rows padded,
 # on tensor cores) and weight format: measured on an H200, the fastest of a sweep over 2..16 x 256..2048 x 2..8 warps
 # (16..64 x 64..256 x 4..8 on tensor cores, swept at 64 rows) at Flint's shapes (.dev/tune.py), the GEMV ones summed
-# over qkv, o and router.
+# over qkv, o and router; the wide ones (the lm_head's GEMV after its norm launch) over 2..16 x 512..2048 x 2..8
+# (.dev/norm1.py).
 TILES = {
     # kernel      rows  nvfp4
     ("gemv",         1, False): (4, 2048, 8),
     ("gemv",         1, True): (4, 2048, 4),
-    ("gemv",         8, False): (8, 1024, 4),
-    ("gemv",         8, True): (4, 1024, 4),
+    ("gemv",         8, False): (2, 2048, 4),                         # (whole steps at batch 2-8, inputs
+    ("gemv",         8, True): (2, 2048, 4),                          # normalized apart: .dev/bench_tile.py)
     ("gemv",        16, False): (16, 256, 4),
-    ("gemv_wide",    1, False): (8, 2048, 2),
-    ("gemv_wide",    1, True): (4, 2048, 4),
-    ("gemv_wide",    8, False): (16, 1024, 2),
+    ("gemv_wide",    1, False): (4, 2048, 4),
+    ("gemv_wide",    1, True): (4, 1024, 2),
+    ("gemv_wide",    8, False): (8, 2048, 4),
     ("gemv_wide",    8, True): (8, 512, 2),
     ("gemv_wide",   16, False): (16, 256, 4),
     ("moe_gate_up",  1, False): (8, 1024, 4),
@@ -328,6 +329,8 @@ TILES = {
 # interpreter, whose tests have tiny shapes)
 DOT_MIN_ROWS = 5
 DOT_MIN_N, MIN_PROGRAMS = (32, 2) if INTERPRET else (1024, 256)
+WIDE_N = 32768                          # GEMVs of this many output rows (the lm_head) take the "gemv_wide" tiles
+NORM_APART_ROWS = 2                     # normed GEMVs of this many rows (or WIDE_N) normalize in a launch apart
 
 
 def tiles(kernel, BLOCK_B, nvfp4, K):
@@ -390,13 +393,20 @@ def _launch_linear(x, dx, norm_w, w, eps, swiglu=False, f32=False):
     assert w.shape[-1] == K, f"weight {tuple(w.shape)} does not take inputs of width {K}"
     assert x.is_contiguous() and x.dtype == torch.bfloat16, "inputs must be contiguous bf16 rows"
     N_out = N // 2 if swiglu else N
-    y = torch.empty(B, N_out, device=x.device, dtype=torch.float32 if f32 else torch.bfloat16)
     norm = norm_w is not None
+    if norm and (B >= NORM_APART_ROWS or N_out >= WIDE_N):
+        # the norm in a launch of its own where every program would normalize much: 2-8 rows, or one row for the
+        # lm_head's 37,536 programs (H200, 2026-12-03, us: qkv at batch 8 NVFP4 24.8 against 42.4, bf16 17.2 against
+        # 25.5; router at batch 8 7.6 against 10.8; lm_head at batch 1 NVFP4 92.6 against 133.8, bf16 142.1 against
+        # 146.0). One row of qkv or the router is faster normalized in every program (7.1 against 7.7, 2.7 against 3.8)
+        x_out, h_out = add_rms_norm(x, dx, norm_w, eps)
+        return x_out, h_out, _launch_linear(h_out, None, None, w, eps, swiglu, f32)[2]
+    y = torch.empty(B, N_out, device=x.device, dtype=torch.float32 if f32 else torch.bfloat16)
     x_out = torch.empty_like(x) if norm else x
     h_out = torch.empty_like(x) if norm else x
     # (H200, batch 8: bf16 881.8 tok/s on tensor cores against 667.0; NVFP4 442.1 against 633.8, so not NVFP4)
     BLOCK_B = _block_b(B, dot=B >= DOT_MIN_ROWS and not nvfp4 and N_out >= DOT_MIN_N)
-    BLOCK_N, BLOCK_K, warps = tiles("gemv_wide" if N_out >= 32768 else "gemv", BLOCK_B, nvfp4, K)
+    BLOCK_N, BLOCK_K, warps = tiles("gemv_wide" if N_out >= WIDE_N else "gemv", BLOCK_B, nvfp4, K)
     while BLOCK_B < 16 and BLOCK_N > 1 and N_out // BLOCK_N < MIN_PROGRAMS:
         BLOCK_N //= 2
     grid = (triton.cdiv(N_out, BLOCK_N),)

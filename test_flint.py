@@ -1141,15 +1141,21 @@ def test_e2m1_pair_decodes_every_byte():
 
 @pytest.mark.parametrize("B", [1, 3, 6, 8])                 # 6, 8: bf16 on tensor cores, NVFP4 not
 @pytest.mark.parametrize("nvfp4", [False, True])
-def test_add_norm_linear_kernel(B, nvfp4):
+def test_add_norm_linear_kernel(B, nvfp4, monkeypatch):
     K, N = 64, 40
     x, dx, nw = rand_act(B, K, seed=1), rand_act(B, K, seed=2), rand_act(K, seed=3)
     w = rand_weight(N, K, nvfp4=nvfp4)
-    for args in [(x, dx, nw, w, 1e-6), (x, None, nw, w, 1e-6)]:
-        for f32 in (False, True):
-            got, want = kernels.add_norm_linear(*args, f32=f32), flint.add_norm_linear_ref(*args, f32=f32)
-            for g, r in zip(got, want):
-                close(g, r)
+    # the norm in every program or in a launch apart: as chosen, in every program at any rows, apart for a GEMV as
+    # wide as the lm_head (WIDE_N = N)
+    for rows, wide_n in [(kernels.NORM_APART_ROWS, kernels.WIDE_N), (9, kernels.WIDE_N), (9, N)]:
+        monkeypatch.setattr(kernels, "NORM_APART_ROWS", rows)
+        monkeypatch.setattr(kernels, "WIDE_N", wide_n)
+        for args in [(x, dx, nw, w, 1e-6), (x, None, nw, w, 1e-6)]:
+            for f32 in (False, True):
+                got, want = kernels.add_norm_linear(*args, f32=f32), flint.add_norm_linear_ref(*args, f32=f32)
+                for g, r in zip(got, want):
+                    close(g, r)
+    monkeypatch.undo()
     close(kernels.linear(x, w), flint.linear_ref(x, w))
     w48 = rand_weight(48, K, nvfp4=nvfp4, seed=5)          # whole tiles (at B = 1: the unmasked EVEN path)
     for g, r in zip(kernels.add_norm_linear(x, dx, nw, w48, 1e-6), flint.add_norm_linear_ref(x, dx, nw, w48, 1e-6)):
