@@ -330,7 +330,6 @@ TILES = {
 DOT_MIN_ROWS = 5
 DOT_MIN_N, MIN_PROGRAMS = (32, 2) if INTERPRET else (1024, 256)
 WIDE_N = 32768                          # GEMVs of this many output rows (the lm_head) take the "gemv_wide" tiles
-NORM_APART_ROWS = 2                     # normed GEMVs of this many rows (or WIDE_N) normalize in a launch apart
 
 
 def tiles(kernel, BLOCK_B, nvfp4, K):
@@ -357,6 +356,7 @@ def _linear_kernel(
     K: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, NVFP4: tl.constexpr, SWIGLU: tl.constexpr,
     OUT_F32: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
 ):
+    tl.static_assert(not NORM or BLOCK_B == 1, "inputs of 2-8 rows are normalized apart (_launch_linear)")
     pid = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_B)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -394,7 +394,7 @@ def _launch_linear(x, dx, norm_w, w, eps, swiglu=False, f32=False):
     assert x.is_contiguous() and x.dtype == torch.bfloat16, "inputs must be contiguous bf16 rows"
     N_out = N // 2 if swiglu else N
     norm = norm_w is not None
-    if norm and (B >= NORM_APART_ROWS or N_out >= WIDE_N):
+    if norm and (B > 1 or N_out >= WIDE_N):
         # the norm in a launch of its own where every program would normalize much: 2-8 rows, or one row for the
         # lm_head's 37,536 programs (H200, 2026-12-03, us: qkv at batch 8 NVFP4 24.8 against 42.4, bf16 17.2 against
         # 25.5; router at batch 8 7.6 against 10.8; lm_head at batch 1 NVFP4 92.6 against 133.8, bf16 142.1 against

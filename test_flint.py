@@ -1145,10 +1145,7 @@ def test_add_norm_linear_kernel(B, nvfp4, monkeypatch):
     K, N = 64, 40
     x, dx, nw = rand_act(B, K, seed=1), rand_act(B, K, seed=2), rand_act(K, seed=3)
     w = rand_weight(N, K, nvfp4=nvfp4)
-    # the norm in every program or in a launch apart: as chosen, in every program at any rows, apart for a GEMV as
-    # wide as the lm_head (WIDE_N = N)
-    for rows, wide_n in [(kernels.NORM_APART_ROWS, kernels.WIDE_N), (9, kernels.WIDE_N), (9, N)]:
-        monkeypatch.setattr(kernels, "NORM_APART_ROWS", rows)
+    for wide_n in (kernels.WIDE_N, N):     # N: as wide as the lm_head, so normalized apart at batch 1 too
         monkeypatch.setattr(kernels, "WIDE_N", wide_n)
         for args in [(x, dx, nw, w, 1e-6), (x, None, nw, w, 1e-6)]:
             for f32 in (False, True):
