@@ -199,29 +199,32 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
     nmask = _below(offs_n, N, EVEN)
     tl.static_assert(not (NVFP4 and DOT), "NVFP4 GEMVs run one multiply-sum per row")
     if NVFP4:
-        # [BLOCK_N, groups of 16, 8 bytes]: products summed per group, then scaled once per group
-        G: tl.constexpr = BLOCK_K // 16
-        jj = tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :]               # byte in the chunk [G, 8]
-        offs_g = tl.arange(0, G)
-        wide = tl.zeros([acc.shape[1], G], dtype=tl.float32)             # one row: summed over groups at the end
+        # [half-groups of 8 codes, their 4 bytes, BLOCK_N rows], as in _rows_dot: threads along K, the bytes and
+        # the input pairs they multiply in one layout; products summed per half-group, then scaled
+        H: tl.constexpr = BLOCK_K // 8
+        hh = tl.arange(0, H)
+        jj = hh[:, None, None] * 4 + tl.arange(0, 4)[None, :, None]                      # [H, 4, 1]
+        wide = tl.zeros([H, acc.shape[1]], dtype=tl.float32)             # one row: summed over K at the end
         for k0 in tl.static_range(0, K, BLOCK_K):
             jb = k0 // 2 + jj
-            byte = tl.load(w_ptr + offs_n[:, None, None] * (K // 2) + jb[None, :, :],
-                           mask=nmask[:, None, None] & _below(jb, K // 2, EVEN)[None, :, :], other=0)
-            smask = nmask[:, None] & _below(k0 // 16 + offs_g, K // 16, EVEN)[None, :]
-            sc = _load_f32(s_ptr + offs_n[:, None] * (K // 16) + k0 // 16 + offs_g[None, :], smask) * 16384.0
+            byte = tl.load(w_ptr + offs_n[None, None, :] * (K // 2) + jb,
+                           mask=nmask[None, None, :] & _below(jb, K // 2, EVEN), other=0)
+            hs = k0 // 16 + hh[:, None] // 2
+            sc = _load_f32(s_ptr + offs_n[None, :] * (K // 16) + hs, nmask[None, :] & _below(hs, K // 16, EVEN))
             rstd = _rstd_first(rstd, k0, x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD, BLOCK_B, BLOCK_K, EVEN, RSTD)
             w_lo, w_hi = _e2m1_pair(byte)
             for b in tl.static_range(BLOCK_B):
                 rstd_b = tl.sum(tl.where(offs_b == b, rstd, 0.0), 0)
                 x_even, x_odd = _input_pairs(x_ptr, dx_ptr, nw_ptr, rstd_b, b, jb, B, K, stride_b, ADD, NORM, EVEN)
-                part = tl.sum(w_lo * x_even[None, :, :] + w_hi * x_odd[None, :, :], 2)
+                part = tl.sum(w_lo * x_even + w_hi * x_odd, 1) * sc
                 if BLOCK_B == 1:
-                    wide += part * sc
+                    wide += part
                 else:
-                    acc = _put_row(acc, tl.sum(part * sc, 1), offs_b, b)
+                    acc = _put_row(acc, tl.sum(part, 0), offs_b, b)
         if BLOCK_B == 1:
-            acc += tl.sum(wide, 1)[None, :]
+            acc += tl.sum(wide, 0)[None, :] * 16384.0
+        else:
+            acc *= 16384.0
     else:
         offs_k = tl.arange(0, BLOCK_K)
         wide = tl.zeros([acc.shape[1], BLOCK_K], dtype=tl.float32)       # one row: products summed at the end
@@ -304,7 +307,8 @@ def _block_b(B, dot=False):
 # on tensor cores) and weight format: measured on an H200, the fastest of a sweep over 2..16 x 256..2048 x 2..8 warps
 # (16..64 x 64..256 x 4..8 on tensor cores, swept at 64 rows) at Flint's shapes (.dev/tune.py), the GEMV ones summed
 # over qkv, o and router; the wide ones (the lm_head's GEMV after its norm launch) over 2..16 x 512..2048 x 2..8
-# (.dev/norm1.py).
+# (.dev/norm1.py); the NVFP4 MoE ones, per batch, over 1..8 x 32..1024 x 2..8 (.dev/moe_sweep2.py, whose
+# BLOCK_K, the K step, also sets how many threads share a row: K / BLOCK_K steps, BLOCK_K / 8 threads).
 TILES = {
     # kernel      rows  nvfp4
     ("gemv",         1, False): (4, 2048, 8),
@@ -318,9 +322,13 @@ TILES = {
     ("gemv_wide",    8, True): (8, 512, 2),
     ("gemv_wide",   16, False): (16, 256, 4),
     ("moe_gate_up",  1, False): (8, 1024, 4),
-    ("moe_gate_up",  1, True): (2, 1024, 2),
-    ("moe_down",     1, False): (4, 512, 4),                          # (BLOCK_K: whole expert rows)
-    ("moe_down",     1, True): (4, 512, 4),
+    ("moe_gate_up",  1, True): (2, 128, 2),
+    ("moe_gate_up",  8, False): (8, 1024, 4),
+    ("moe_gate_up",  8, True): (8, 128, 4),
+    ("moe_down",     1, False): (4, 512, 4),
+    ("moe_down",     1, True): (2, 64, 4),
+    ("moe_down",     8, False): (4, 512, 4),
+    ("moe_down",     8, True): (4, 64, 4),
 }
 
 
@@ -837,20 +845,25 @@ def _rows_dot(x_rows, w_rows, s_rows, K: tl.constexpr, NVFP4: tl.constexpr, BLOC
     program is issued before its one reduction, so a decode program waits on memory once, not once per expert and
     step. The shapes must be even (BLOCK_K divides K): no masks."""
     if NVFP4:
-        # byte j of a row holds elements 2j (low nibble) and 2j+1 (high): read as one int32 of the input (two
-        # bf16); one e4m3 scale per 16 elements (8 bytes): products summed per group of 16, then scaled once per
-        # group (x 2^14 undoes _e2m1's scaling)
-        G: tl.constexpr = BLOCK_K // 16
-        jj = (tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :])[None, None, :, :]   # [1, 1, G, 8]
-        gg = tl.arange(0, G)[None, None, :, None]                                           # [1, 1, G, 1]
-        acc = tl.zeros([w_rows.shape[0], w_rows.shape[1], G, 1], dtype=tl.float32)
+        # byte j of a row holds elements 2j (low nibble) and 2j + 1 (high), read against one int32 of the input (two
+        # bf16). Tiles are [half-groups of 8 codes, their 4 bytes, *rows]: K leads, so threads go along K and the
+        # bytes, their decoded values and the input pairs they multiply share one layout (no exchange through shared
+        # memory). One e4m3 scale per 16 elements: products summed per half-group, scaled, summed over K at the end
+        # (x 2^14 undoes _e2m1's scaling)
+        H: tl.constexpr = BLOCK_K // 8
+        hh = tl.arange(0, H)
+        jj = hh[:, None, None, None] * 4 + tl.arange(0, 4)[None, :, None, None]             # [H, 4, 1, 1]
+        acc = tl.zeros([H, w_rows.shape[0], w_rows.shape[1]], dtype=tl.float32)
         for k0 in tl.static_range(0, K, BLOCK_K):
-            byte = tl.load(w_rows[:, :, None, None] + k0 // 2 + jj)
-            sc = tl.load(s_rows[:, :, None, None] + k0 // 16 + gg).to(tl.float32)
-            x_even, x_odd = _pairs(x_rows[:, :, None, None], k0 // 2 + jj)
+            byte = tl.load(w_rows[None, None, :, :] + k0 // 2 + jj)
+            sc = tl.load(s_rows[None, :, :] + k0 // 16 + hh[:, None, None] // 2).to(tl.float32)
+            # the input read in the tile's own shape (each thread the pairs its rows need, from L1): its layout
+            # is then the bytes' layout, where a [H, 4, 1, 1] read would be exchanged through shared memory
+            x_even, x_odd = _pairs(x_rows[None, None, :, :] + tl.zeros(w_rows.shape, tl.int32)[None, None, :, :],
+                                   k0 // 2 + jj)
             w_lo, w_hi = _e2m1_pair(byte)
-            acc += tl.sum(w_lo * x_even + w_hi * x_odd, 3, keep_dims=True) * sc
-        return tl.sum(tl.sum(acc, 3), 2) * 16384.0
+            acc += tl.sum(w_lo * x_even + w_hi * x_odd, 1) * sc
+        return tl.sum(acc, 0) * 16384.0
     offs_k = tl.arange(0, BLOCK_K)[None, None, :]
     acc = tl.zeros([w_rows.shape[0], w_rows.shape[1], BLOCK_K], dtype=tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):
@@ -909,7 +922,7 @@ def _moe_down_kernel(
     C, S_W,
     # meta-parameters
     I: tl.constexpr, A: tl.constexpr, J: tl.constexpr, J_PAD: tl.constexpr, NVFP4: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Program (row block, token b): out = bf16(bf16(sum_j w_j bf16(down_j act_j)) + bf16(down_s act_s)). Slots
     j < A are the routed experts, slots A .. J - 1 the shared expert's columns in chunks of I: all J weight tiles
@@ -930,7 +943,7 @@ def _moe_down_kernel(
     x_rows = act_ptr + (b * (A + 1) + tl.minimum(offs_j, A)[:, None]) * tl.maximum(I, S_W) + chunk[:, None] * I
     row_scale = tl.load(tl.where(routed[:, None], rs_ptr, srs_ptr) + rows) if NVFP4 else 1.0
     w = tl.load(wts_ptr + b * A + offs_j, mask=routed, other=0.0)    # (loads first: one wait)
-    y = _rows_dot(x_rows, w_rows, s_rows, I, NVFP4, I) * row_scale
+    y = _rows_dot(x_rows, w_rows, s_rows, I, NVFP4, BLOCK_K) * row_scale
     routed_sum = tl.sum(tl.where(routed[:, None], w[:, None] * _round_bf16(y), 0.0), 0)   # y_e is bf16
     shared_sum = tl.sum(tl.where(routed[:, None] | ~real, 0.0, y), 0)
     out = _round_bf16(routed_sum) + _round_bf16(shared_sum)
@@ -949,8 +962,7 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
     dwp, dsp, drsp, d_nvfp4 = _weight_args(down)
     sdwp, sdsp, sdrsp, sd_nvfp4 = _weight_args(shared_down)
     assert nvfp4 == s_nvfp4 == d_nvfp4 == sd_nvfp4, "routed and shared experts must share one weight format"
-    _block_b(B)
-    BLOCK_N, BLOCK_K, warps = tiles("moe_gate_up", 1, nvfp4, C)
+    BLOCK_N, BLOCK_K, warps = tiles("moe_gate_up", _block_b(B), nvfp4, C)
     assert C % BLOCK_K == 0 and I % BLOCK_N == 0 and S_W % BLOCK_N == 0 and S_W % I == 0 and I % 16 == 0, \
         f"the decode MoE kernels need even shapes: hidden {C}, expert width {I}, shared width {S_W}"
     act = torch.empty(B, top_k + 1, max(I, S_W), device=h.device, dtype=torch.bfloat16)
@@ -962,13 +974,14 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
         C=C, E=E, A=top_k, A_PAD=triton.next_power_of_2(top_k), NORM_TOPK=norm_topk_prob, NVFP4=nvfp4,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=warps)
     out = torch.empty_like(h)
-    BLOCK_N, _, warps = tiles("moe_down", 1, nvfp4, I)
-    assert C % BLOCK_N == 0, f"hidden size {C} is not a multiple of {BLOCK_N}"
+    BLOCK_N, BLOCK_K, warps = tiles("moe_down", _block_b(B), nvfp4, I)
+    assert C % BLOCK_N == 0 and I % BLOCK_K == 0, f"hidden size {C} or expert width {I} is not a multiple of the tile"
     J = top_k + S_W // I
     _moe_down_kernel[(C // BLOCK_N, B)](
         act, ids, wts, dwp, dsp, drsp, sdwp, sdsp, sdrsp, out,
         C, S_W,
-        I=I, A=top_k, J=J, J_PAD=triton.next_power_of_2(J), NVFP4=nvfp4, BLOCK_N=BLOCK_N, num_warps=warps)
+        I=I, A=top_k, J=J, J_PAD=triton.next_power_of_2(J), NVFP4=nvfp4, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        num_warps=warps)
     return out
 
 

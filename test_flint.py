@@ -1157,6 +1157,11 @@ def test_add_norm_linear_kernel(B, nvfp4, monkeypatch):
     w48 = rand_weight(48, K, nvfp4=nvfp4, seed=5)          # whole tiles (at B = 1: the unmasked EVEN path)
     for g, r in zip(kernels.add_norm_linear(x, dx, nw, w48, 1e-6), flint.add_norm_linear_ref(x, dx, nw, w48, 1e-6)):
         close(g, r)
+    x96, dx96, nw96 = rand_act(B, 96, seed=6), rand_act(B, 96, seed=7), rand_act(96, seed=8)
+    w96 = rand_weight(N, 96, nvfp4=nvfp4, seed=9)               # two steps along K, the second one half masked
+    for g, r in zip(kernels.add_norm_linear(x96, dx96, nw96, w96, 1e-6),
+                    flint.add_norm_linear_ref(x96, dx96, nw96, w96, 1e-6)):
+        close(g, r)
     swiglu_w = rand_weight(2 * N, K, nvfp4=nvfp4, seed=4)
     for g, r in zip(kernels.add_norm_swiglu(x, dx, nw, swiglu_w, 1e-6),
                     flint.add_norm_swiglu_ref(x, dx, nw, swiglu_w, 1e-6)):
@@ -1228,8 +1233,13 @@ def test_sink_attention_kernel_random(seed):
 
 @pytest.mark.parametrize("B", [1, 3])
 @pytest.mark.parametrize("nvfp4", [False, True])
-def test_moe_experts_kernel(B, nvfp4):
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_moe_experts_kernel(B, nvfp4, chunk, monkeypatch):
+    """chunk: rows read 16 elements at a time (4 steps of gate/up, 2 of down) instead of whole."""
     E, A, C, I, S = 8, 3, 64, 32, 64
+    if chunk:
+        tiles = kernels.tiles
+        monkeypatch.setattr(kernels, "tiles", lambda *a: (*tiles(*a)[:1], chunk, tiles(*a)[2]))
     h = rand_act(B, C, seed=7)
     logits = rand_act(B, E, seed=8)
     logits[0, [2, 5, 6]] = logits[0].max() + 1                          # a three-way tie: lowest index first
