@@ -220,11 +220,9 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
                 if BLOCK_B == 1:
                     wide += part
                 else:
-                    acc = _put_row(acc, tl.sum(part, 0), offs_b, b)
+                    acc = _put_row(acc, tl.sum(part, 0) * 16384.0, offs_b, b)   # (x 2^14: see _e2m1)
         if BLOCK_B == 1:
             acc += tl.sum(wide, 0)[None, :] * 16384.0
-        else:
-            acc *= 16384.0
     else:
         offs_k = tl.arange(0, BLOCK_K)
         wide = tl.zeros([acc.shape[1], BLOCK_K], dtype=tl.float32)       # one row: products summed at the end
