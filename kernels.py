@@ -857,8 +857,7 @@ def _rows_dot(x_rows, w_rows, s_rows, K: tl.constexpr, NVFP4: tl.constexpr, BLOC
             sc = tl.load(s_rows[None, :, :] + k0 // 16 + hh[:, None, None] // 2).to(tl.float32)
             # the input read in the tile's own shape (each thread the pairs its rows need, from L1): its layout
             # is then the bytes' layout, where a [H, 4, 1, 1] read would be exchanged through shared memory
-            x_even, x_odd = _pairs(x_rows[None, None, :, :] + tl.zeros(w_rows.shape, tl.int32)[None, None, :, :],
-                                   k0 // 2 + jj)
+            x_even, x_odd = _pairs(tl.broadcast_to(x_rows, w_rows.shape)[None, None, :, :], k0 // 2 + jj)
             w_lo, w_hi = _e2m1_pair(byte)
             acc += tl.sum(w_lo * x_even + w_hi * x_odd, 1) * sc
         return tl.sum(acc, 0) * 16384.0
@@ -960,7 +959,8 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
     dwp, dsp, drsp, d_nvfp4 = _weight_args(down)
     sdwp, sdsp, sdrsp, sd_nvfp4 = _weight_args(shared_down)
     assert nvfp4 == s_nvfp4 == d_nvfp4 == sd_nvfp4, "routed and shared experts must share one weight format"
-    BLOCK_N, BLOCK_K, warps = tiles("moe_gate_up", _block_b(B), nvfp4, C)
+    rows = _block_b(B)
+    BLOCK_N, BLOCK_K, warps = tiles("moe_gate_up", rows, nvfp4, C)
     assert C % BLOCK_K == 0 and I % BLOCK_N == 0 and S_W % BLOCK_N == 0 and S_W % I == 0 and I % 16 == 0, \
         f"the decode MoE kernels need even shapes: hidden {C}, expert width {I}, shared width {S_W}"
     act = torch.empty(B, top_k + 1, max(I, S_W), device=h.device, dtype=torch.bfloat16)
@@ -972,7 +972,7 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
         C=C, E=E, A=top_k, A_PAD=triton.next_power_of_2(top_k), NORM_TOPK=norm_topk_prob, NVFP4=nvfp4,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=warps)
     out = torch.empty_like(h)
-    BLOCK_N, BLOCK_K, warps = tiles("moe_down", _block_b(B), nvfp4, I)
+    BLOCK_N, BLOCK_K, warps = tiles("moe_down", rows, nvfp4, I)
     assert C % BLOCK_N == 0 and I % BLOCK_K == 0, f"hidden size {C} or expert width {I} is not a multiple of the tile"
     J = top_k + S_W // I
     _moe_down_kernel[(C // BLOCK_N, B)](
