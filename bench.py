@@ -110,7 +110,7 @@ def breakdown(model, B, ctx, iters=20):
     cache = random_cache(cfg, B, ctx, dev)
     cos, sin = flint.rope_table(cfg, ctx + 8, dev)
     pos = torch.full((B,), ctx, device=dev)
-    x, o = torch.randn(B, C, device=dev, dtype=torch.bfloat16), torch.randn(B, H * D, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(B, C, device=dev, dtype=torch.bfloat16)
     qkv = torch.randn(B, (H + 2 * G) * D, device=dev, dtype=torch.bfloat16)
     logits = torch.randn(B, cfg.num_experts, device=dev, dtype=torch.bfloat16)
     blocks = list(model.layers)
@@ -119,13 +119,12 @@ def breakdown(model, B, ctx, iters=20):
     def attention(b):
         a = b.attn
         return ops.attention_decode(qkv, a.q_norm, a.k_norm, a.sinks, cos, sin, cache.k[a.layer], cache.v[a.layer],
-                                    pos, a.window, eps)
+                                    pos, a.window, eps, a.o)
 
     parts = [  # (op, the layers that have it, one call)
         ("qkv: add + norm + GEMV", blocks, lambda b: ops.add_norm_linear(x, x, b.attn_norm, b.attn.qkv, eps)),
-        ("attention, sliding", [b for b in blocks if b.attn.window], attention),
-        ("attention, full", [b for b in blocks if not b.attn.window], attention),
-        ("o_proj", blocks, lambda b: ops.linear(o, b.attn.o)),
+        ("attention + o_proj, sliding", [b for b in blocks if b.attn.window], attention),
+        ("attention + o_proj, full", [b for b in blocks if not b.attn.window], attention),
         ("dense MLP", [b for b in blocks if b not in moe],
          lambda b: ops.linear(ops.add_norm_swiglu(x, x, b.ffn_norm, b.ffn.gate_up, eps)[1], b.ffn.down)),
         ("router: add + norm + GEMV", moe, lambda b: ops.add_norm_linear(x, x, b.ffn_norm, b.ffn.router, eps)),

@@ -267,10 +267,10 @@ def add_norm_swiglu_ref(x, dx, norm_w, gate_up, eps):
     return x, swiglu_ref(linear_ref(h, gate_up))
 
 
-def attention_decode_ref(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos, window, eps):
-    """One new token per sequence: qkv [B, (H+2G)D] -> o [B, H*D]. q/k RMSNorm per head, RoPE on sliding layers
-    (window > 0; cos/sin are the [n, D/2] tables), store k, v at slot pos % S of k/v_cache [B, S, G, D], then
-    attend over the cache, masked by the position each slot holds."""
+def attention_decode_ref(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos, window, eps, w_o):
+    """One new token per sequence: qkv [B, (H+2G)D] -> o_proj(o) [B, C] (o [B, H*D] itself if w_o is None). q/k
+    RMSNorm per head, RoPE on sliding layers (window > 0; cos/sin are the [n, D/2] tables), store k, v at slot
+    pos % S of k/v_cache [B, S, G, D], then attend over the cache, masked by the position each slot holds."""
     B, S, G, D = k_cache.shape
     H = sinks.shape[0]
     q, k, v = qkv.view(B, 1, H + 2 * G, D).split([H, G, G], dim=2)     # [B, 1, n, D]
@@ -280,8 +280,8 @@ def attention_decode_ref(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache,
     rows = torch.arange(B, device=pos.device)
     k_cache[rows, pos % S], v_cache[rows, pos % S] = k[:, 0], v[:, 0]
     k_pos = slot_positions(pos[:, None], S)                             # [B, S]
-    o = sink_attention_ref(q, k_cache, v_cache, sinks, pos[:, None], k_pos, window)
-    return o.view(B, H * D)
+    o = sink_attention_ref(q, k_cache, v_cache, sinks, pos[:, None], k_pos, window).view(B, H * D)
+    return o if w_o is None else linear_ref(o, w_o)
 
 
 # -----------------------------------------------------------------------------
@@ -370,6 +370,10 @@ def kernel_ops():
     for name in ("add_norm_swiglu", "linear", "moe_experts"):
         setattr(ops, name, by_rows(getattr(kernels, name), getattr(gemm, name)))
     ops.add_norm_linear = gemm.add_norm_linear                       # (chooses by rows itself)
+
+    def attention_gemm(*args):                                       # o_proj apart, as a GEMM
+        return gemm.linear(kernels.attention_decode(*args[:-1], None), args[-1])
+    ops.attention_decode = by_rows(kernels.attention_decode, attention_gemm)
     return ops
 
 
@@ -420,15 +424,14 @@ class Attention(nn.Module):
         self.sinks = make(p + "sinks", H, dtype=torch.float)             # fp32 logits (self_attn.softmax_offset)
 
     def forward(self, x, dx, norm_w, pos, cache, rope, ops):
-        """x + dx [N, C] -> (bf16(x + dx), o_proj(attention(rmsnorm(x + dx))))."""
+        """x + dx [N, C] -> (bf16(x + dx), o_proj(attention(rmsnorm(x + dx)))). The decode kernels return
+        o_proj's output as int64 fixed point, which the next norm reads (kernels.attention_decode)."""
         B, T = pos.shape
         x, _, qkv = ops.add_norm_linear(x, dx, norm_w, self.qkv, self.eps)   # [N, (H+2G)D]
-        if T == 1 and cache is not None:                                 # decode: one fused op
-            o = ops.attention_decode(qkv, self.q_norm, self.k_norm, self.sinks, *rope, cache.k[self.layer],
-                                     cache.v[self.layer], pos[:, 0], self.window, self.eps)
-        else:
-            o = self.prefill(qkv, pos, cache, rope, ops)
-        return x, ops.linear(o, self.o)
+        if T == 1 and cache is not None:                                 # decode: one fused op, o_proj included
+            return x, ops.attention_decode(qkv, self.q_norm, self.k_norm, self.sinks, *rope, cache.k[self.layer],
+                                           cache.v[self.layer], pos[:, 0], self.window, self.eps, self.o)
+        return x, ops.linear(self.prefill(qkv, pos, cache, rope, ops), self.o)
 
     def prefill(self, qkv, pos, cache, rope, ops):
         """T new tokens per sequence: qkv [B*T, (H+2G)D] -> o [B*T, H*D]."""

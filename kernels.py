@@ -53,6 +53,29 @@ def _load_f32(ptr, mask):
     return tl.where(mask, tl.load(ptr, mask=mask).to(tl.float32), 0.0)
 
 
+# A residual update dx in fixed point: int64 sums in units of 2^-32 (range +-2^31), which partial sums of o_proj add
+# exactly, hence in any order (the decode attention adds each head's share of o_proj atomically: attention_decode)
+FIXED_ONE = 2.0 ** 32
+
+
+@triton.jit
+def _to_fixed(y):
+    return tl.floor(y * 4294967296.0 + 0.5).to(tl.int64)            # (x FIXED_ONE)
+
+
+@triton.jit
+def _load_dx(ptr, mask):
+    """A residual update as fp32: bf16, or int64 fixed point rounded to bf16 (o_proj outputs bf16, spec §2.3.7)."""
+    if ptr.dtype.element_ty == tl.int64:
+        return _round_bf16(tl.load(ptr, mask=mask, other=0).to(tl.float32) * (1.0 / 4294967296.0))
+    return _load_f32(ptr, mask)
+
+
+def fixed_to_bf16(dx):
+    """int64 fixed-point dx -> bf16, as the kernels read it (other dtypes pass through)."""
+    return (dx.float() / FIXED_ONE).to(torch.bfloat16) if dx.dtype == torch.int64 else dx
+
+
 @triton.jit
 def _e2m1(code):
     """E2M1 code (uint8, 4 bits) -> value / 2^14 as fp32: the 3 magnitude bits go to fp16 bits 9-11, the sign to
@@ -108,7 +131,7 @@ def _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, offs_k, B, K, stride_b,
     off = offs_b[:, None] * stride_b + offs_k[None, :]
     x = _load_f32(x_ptr + off, mask)
     if ADD:
-        x += _load_f32(dx_ptr + off, mask)
+        x += _load_dx(dx_ptr + off, mask)
     if NORM:
         nw = _load_f32(nw_ptr + offs_k, kmask)
         x = _round_bf16(x * rstd[:, None] * nw[None, :])
@@ -131,7 +154,7 @@ def _input_row(x_ptr, dx_ptr, nw_ptr, rstd, b, offs_k, B, K, stride_b,
     mask = _below(offs_k, tl.where(b < B, K, 0), EVEN)                # rows past B read as 0
     x = _load_f32(x_ptr + b * stride_b + offs_k, mask)
     if ADD:
-        x += _load_f32(dx_ptr + b * stride_b + offs_k, mask)
+        x += _load_dx(dx_ptr + b * stride_b + offs_k, mask)
     if NORM:
         x = _round_bf16(x * rstd * _load_f32(nw_ptr + offs_k, _below(offs_k, K, EVEN)))
     return x
@@ -153,7 +176,11 @@ def _input_pairs(x_ptr, dx_ptr, nw_ptr, rstd, b, j, B, K, stride_b,
     mask = _below(j, tl.where(b < B, K // 2, 0), EVEN)                 # rows past B read as 0
     x_even, x_odd = _pairs(x_ptr + b * stride_b, j, mask)
     if ADD:
-        dx_even, dx_odd = _pairs(dx_ptr + b * stride_b, j, mask)
+        if dx_ptr.dtype.element_ty == tl.int64:                       # (fixed point: one int64 per element)
+            dx_even = _load_dx(dx_ptr + b * stride_b + 2 * j, mask)
+            dx_odd = _load_dx(dx_ptr + b * stride_b + 2 * j + 1, mask)
+        else:
+            dx_even, dx_odd = _pairs(dx_ptr + b * stride_b, j, mask)
         x_even, x_odd = x_even + dx_even, x_odd + dx_odd
     if NORM:
         nw_even, nw_odd = _pairs(nw_ptr, j, _below(j, K // 2, EVEN))
@@ -481,14 +508,14 @@ def _attend(q1, q2, k1, k2, v, kt1, kt2, vt, slot, newest, p, end, m_i, l_i, acc
 def _attention_decode_kernel(
     # pointers
     qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
-    m_ptr, l_ptr, acc_ptr,
+    m_ptr, l_ptr, acc_ptr, zero_ptr,
     # sizes
-    S, eps, qk_scale,
+    S, eps, qk_scale, C,
     # strides
     stride_qkv, stride_cb, stride_cs,
     # meta-parameters
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_Z: tl.constexpr,
 ):
     b, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     R: tl.constexpr = H // G                                          # query heads per kv head
@@ -531,6 +558,9 @@ def _attention_decode_kernel(
         tl.store(k_cache_ptr + new + offs_d, _to_bf16(k1))
         tl.store(k_cache_ptr + new + HALF + offs_d, _to_bf16(k2))
         tl.store(v_cache_ptr + new + offs_v, _to_bf16(v))
+        if BLOCK_Z > 0:                                               # o_proj's fixed-point sums start at 0
+            z = g * BLOCK_Z + tl.arange(0, BLOCK_Z)
+            tl.store(zero_ptr + b * C + z, tl.zeros([BLOCK_Z], dtype=tl.int64), mask=z < C)
 
     # ---- attend over this split's slots start .. end - 1
     m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
@@ -559,22 +589,63 @@ def _attention_decode_kernel(
 
 
 @triton.jit
-def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, o_ptr,
-                              H: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """o = sum_s acc_s 2^(m_s - M) / (sum_s l_s 2^(m_s - M) + e^(sink - M')), M = max(m_s, sink)."""
-    b, h = tl.program_id(0), tl.program_id(1)
-    offs_s = tl.arange(0, NUM_SPLITS)
+def _combine(m_ptr, l_ptr, acc_ptr, sinks_ptr, b, h, H: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+             SPLITS_PAD: tl.constexpr):
+    """Head h of row b from its splits' partials, fp32 [D]: o = sum_s acc_s 2^(m_s - M) / (sum_s l_s 2^(m_s - M) +
+    e^(sink - M')), M = max(m_s, sink)."""
+    offs_s = tl.arange(0, SPLITS_PAD)
+    smask = offs_s < NUM_SPLITS
     offs_d = tl.arange(0, D)
     part = (b * H + h) * NUM_SPLITS + offs_s
-    m = tl.load(m_ptr + part)
-    l = tl.load(l_ptr + part)
+    m = tl.load(m_ptr + part, mask=smask, other=float("-inf"))
+    l = tl.load(l_ptr + part, mask=smask, other=0.0)
+    acc = tl.load(acc_ptr + part[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
     sink = tl.load(sinks_ptr + h) * 1.4426950408889634               # the sink is a scaled-score logit: to log2
     m_all = tl.maximum(tl.max(m, 0), sink)
     w = tl.exp2(m - m_all)                                            # empty splits: 2^-inf = 0
     denom = tl.sum(l * w, 0) + tl.exp2(sink - m_all)
-    acc = tl.load(acc_ptr + part[:, None] * D + offs_d[None, :])
-    o = tl.sum(acc * w[:, None], 0) / denom
-    tl.store(o_ptr + (b * H + h) * D + offs_d, _to_bf16(o))
+    return tl.sum(acc * w[:, None], 0) / denom
+
+
+@triton.jit
+def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, o_ptr,
+                              H: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """Program (row b, head h): the attention output o [B, H * D] bf16."""
+    b, h = tl.program_id(0), tl.program_id(1)
+    o = _combine(m_ptr, l_ptr, acc_ptr, sinks_ptr, b, h, H, D, NUM_SPLITS, SPLITS_PAD)
+    tl.store(o_ptr + (b * H + h) * D + tl.arange(0, D), _to_bf16(o))
+
+
+@triton.jit
+def _attention_o_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, w_ptr, s_ptr, rs_ptr, out_ptr, C,
+                        H: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                        NVFP4: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (head h, block of o_proj rows, row b): head h's output, combined from the splits as
+    _attention_combine_kernel does and rounded to bf16, times its D columns of those o_proj rows, added to out
+    [B, C] in fixed point (_to_fixed): the 32 heads' shares sum exactly in any order, with no combine launch
+    between attention and o_proj. Weight loads go first: they do not wait on the partials."""
+    h, rb, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < C
+    if NVFP4:                                                         # bytes of columns h*D .. (h+1)*D - 1
+        j = tl.arange(0, D // 2)
+        byte = tl.load(w_ptr + offs_n[:, None] * (H * D // 2) + h * (D // 2) + j[None, :], mask=nmask[:, None],
+                       other=0)
+        g = tl.arange(0, D // 16)
+        sc = _load_f32(s_ptr + offs_n[:, None] * (H * D // 16) + h * (D // 16) + g[None, :], nmask[:, None])
+        rs = tl.load(rs_ptr + offs_n, mask=nmask, other=0.0)
+    else:
+        d = tl.arange(0, D)
+        w = _load_f32(w_ptr + offs_n[:, None] * (H * D) + h * D + d[None, :], nmask[:, None])
+    o = _round_bf16(_combine(m_ptr, l_ptr, acc_ptr, sinks_ptr, b, h, H, D, NUM_SPLITS, SPLITS_PAD))
+    if NVFP4:
+        o_even, o_odd = tl.split(tl.reshape(o, [D // 2, 2]))
+        w_lo, w_hi = _e2m1_pair(byte)
+        part = tl.sum(tl.reshape(w_lo * o_even[None, :] + w_hi * o_odd[None, :], [BLOCK_N, D // 16, 8]), 2)
+        y = tl.sum(part * sc, 1) * 16384.0 * rs                      # (x 2^14: see _e2m1)
+    else:
+        y = tl.sum(w * o[None, :], 1)
+    tl.atomic_add(out_ptr + b * C + offs_n, _to_fixed(y), mask=nmask, sem="relaxed")
 
 
 # splits of the sliding window and keys per step there (one step per split at batch 1 and 8); on full layers keys
@@ -584,11 +655,20 @@ def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, o_ptr,
 # against 37.23 / 207.39 with 8); larger batches take fewer splits, down to ~`programs` programs
 ATTENTION = dict(sliding_splits=32, sliding_block=32, sliding_warps=8, keys_per_split=1024, min_splits=32,
                  full_block=64, full_warps=4, stages=3, programs=512)
+# The splits' combine inside o_proj (_attention_o_kernel) instead of a combine launch and the o_proj GEMV: rows per
+# program and warps by weight format (None: apart), for up to O_FUSED_ROWS rows. H200, 2026-12-03, us per layer at
+# batch 1, attention + o_proj on sliding / full layers at 512 (.dev/o_sweep.py): NVFP4 9.72 / 11.00 fused against
+# 12.30 / 13.61 apart; bf16 12.35 / 14.39 against 13.24 / 14.20, while the router's norm then reads the int64 sums
+# in 3.60 against 2.71 us: bf16 stays apart. At batch 8 fused is slower (NVFP4 35.3 / 33.0 against 33.3 / 30.9).
+ATTENTION_O = {False: None, True: (64, 2)}
+O_FUSED_ROWS = 1
 
 
-def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos, window, eps):
+def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos, window, eps, w_o):
     """One new token per row. qkv [B, (H+2G)D] bf16 (before q/k norm and RoPE); caches [B, S, G, D]; pos [B];
-    window 0 = full layer (no RoPE). Writes the token's k, v at slot pos % S; returns o [B, H*D] bf16."""
+    window 0 = full layer (no RoPE). Writes the token's k, v at slot pos % S; returns o_proj(o) [B, C], as int64
+    fixed point where the combine runs inside o_proj (ATTENTION_O; the next norm reads it as bf16, fixed_to_bf16
+    converts it), else bf16; with w_o None, the attention output o [B, H*D] bf16."""
     B, S, G, D = k_cache.shape
     H = sinks.shape[0]
     assert qkv.shape == (B, (H + 2 * G) * D) and qkv.is_contiguous() and qkv.dtype == torch.bfloat16
@@ -603,22 +683,39 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
     NUM_SPLITS = min(NUM_SPLITS, triton.next_power_of_2(triton.cdiv(t["programs"], B * G)))  # (fewer partials)
     kind = "sliding" if window else "full"
     BLOCK_S, warps = t[kind + "_block"], t[kind + "_warps"]
-    if window:                                                        # one tile per split when it fits
+    if window:                                                        # one tile per split when it fits, and
         BLOCK_S = max(16, min(BLOCK_S, triton.next_power_of_2(triton.cdiv(S, NUM_SPLITS))))
+        NUM_SPLITS = min(NUM_SPLITS, triton.cdiv(S, BLOCK_S))         # no empty splits (513 slots: 17 of 32)
+    SPLITS_PAD = triton.next_power_of_2(NUM_SPLITS)
     m = torch.empty(B, H, NUM_SPLITS, device=qkv.device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(B, H, NUM_SPLITS, D, device=qkv.device, dtype=torch.float32)
+    fused = w_o is not None and ATTENTION_O[_weight_args(w_o)[3]] is not None and B <= O_FUSED_ROWS
+    if fused:
+        wp, sp, rsp, nvfp4 = _weight_args(w_o)
+        C = w_o.shape[0]
+        assert w_o.shape[1] == H * D, f"o_proj {tuple(w_o.shape)} does not take {H} heads of {D}"
+        out = torch.empty(B, C, device=qkv.device, dtype=torch.int64)  # zeroed by the attention kernel
+    else:
+        C, out = 0, m
     _attention_decode_kernel[(B, G, NUM_SPLITS)](
         qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos,
-        m, l, acc,
-        S, eps, D ** -0.5 * LOG2E,
+        m, l, acc, out,
+        S, eps, D ** -0.5 * LOG2E, C,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
         H=H, G=G, D=D, WINDOW=window, NUM_SPLITS=NUM_SPLITS,
-        BLOCK_R=max(16, triton.next_power_of_2(H // G)), BLOCK_S=BLOCK_S, num_warps=warps,
-        num_stages=t["stages"])
-    o = torch.empty(B, H * D, device=qkv.device, dtype=torch.bfloat16)
-    _attention_combine_kernel[(B, H)](m, l, acc, sinks, o, H=H, D=D, NUM_SPLITS=NUM_SPLITS, num_warps=4)
-    return o
+        BLOCK_R=max(16, triton.next_power_of_2(H // G)), BLOCK_S=BLOCK_S,
+        BLOCK_Z=triton.next_power_of_2(triton.cdiv(C, G)) if C else 0, num_warps=warps, num_stages=t["stages"])
+    if not fused:
+        o = torch.empty(B, H * D, device=qkv.device, dtype=torch.bfloat16)
+        _attention_combine_kernel[(B, H)](m, l, acc, sinks, o, H=H, D=D, NUM_SPLITS=NUM_SPLITS, SPLITS_PAD=SPLITS_PAD,
+                                          num_warps=4)
+        return o if w_o is None else linear(o, w_o)
+    BLOCK_N, warps = (16, 4) if INTERPRET else ATTENTION_O[nvfp4]
+    _attention_o_kernel[(H, triton.cdiv(C, BLOCK_N), B)](
+        m, l, acc, sinks, wp, sp, rsp, out, C,
+        H=H, D=D, NUM_SPLITS=NUM_SPLITS, SPLITS_PAD=SPLITS_PAD, NVFP4=nvfp4, BLOCK_N=BLOCK_N, num_warps=warps)
+    return out
 
 
 # -----------------------------------------------------------------------------

@@ -1166,13 +1166,21 @@ def test_add_norm_linear_kernel(B, nvfp4, monkeypatch):
     for g, r in zip(kernels.add_norm_swiglu(x, dx, nw, swiglu_w, 1e-6),
                     flint.add_norm_swiglu_ref(x, dx, nw, swiglu_w, 1e-6)):
         close(g, r)
+    # dx as the decode attention returns it (int64 fixed point, exact sums of o_proj's shares): read as its bf16
+    fixed = torch.floor(torch.randn(B, K, generator=torch.Generator().manual_seed(9)).double() * 2**32 + 0.5)
+    fixed = fixed.long().to(DEV)
+    for op, wt in ((kernels.add_norm_linear, w), (kernels.add_norm_swiglu, swiglu_w)):
+        for g, r in zip(op(x, fixed, nw, wt, 1e-6), op(x, kernels.fixed_to_bf16(fixed), nw, wt, 1e-6)):
+            assert torch.equal(g, r)
 
 
 @pytest.mark.parametrize("window, S, H, G", [(5, 5, 4, 2), (0, 40, 8, 2), (7, 7, 8, 8), (40, 40, 8, 2)])
-def test_attention_decode_kernel(window, S, H, G):
+def test_attention_decode_kernel(window, S, H, G, monkeypatch):
     """Positions before, at and past the ring's wrap, two rows at different positions, GQA groups 1..4; a ring of
-    40 slots takes two key steps per split (the interpreter's 2 splits of 16-key steps)."""
-    B, D = 2, 32
+    40 slots takes two key steps per split (the interpreter's 2 splits of 16-key steps). The attention output
+    alone, and through o_proj (bf16 and NVFP4, 48 rows: three blocks of the interpreter's 16), whose fixed-point
+    sums read as bf16 (the o_proj outputs) must be close to the reference's."""
+    B, D, C = 2, 32, 48
     cfg = flint.Config(rope_theta=10000.0, head_dim=D)
     cos, sin = flint.rope_table(cfg, max(64, 2 * S + 8), DEV)
     q_norm, k_norm = rand_act(D, seed=5).float().abs().to(torch.bfloat16), rand_act(D, seed=6)
@@ -1181,12 +1189,18 @@ def test_attention_decode_kernel(window, S, H, G):
         pos = torch.tensor(pos, device=DEV) if window else torch.tensor(pos, device=DEV).clamp(max=S - 1)
         qkv = rand_act(B, (H + 2 * G) * D, seed=10 + step)
         kc, vc = rand_act(B, S, G, D, seed=20 + step), rand_act(B, S, G, D, seed=30 + step)
-        kc2, vc2 = kc.clone(), vc.clone()
-        got = kernels.attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, kc, vc, pos, window, 1e-6)
-        want = flint.attention_decode_ref(qkv, q_norm, k_norm, sinks, cos, sin, kc2, vc2, pos, window, 1e-6)
-        close(got, want)
-        close(kc, kc2)
-        assert torch.equal(vc, vc2)
+        w_o = [None, rand_weight(C, H * D, seed=step), rand_weight(C, H * D, nvfp4=True, seed=step), None][step]
+        for fused in ((False, True) if w_o is not None else (False,)):   # combine in o_proj, or apart
+            monkeypatch.setattr(kernels, "ATTENTION_O", {False: (16, 4) if fused else None, True: (16, 4) if fused
+                                                         else None})
+            monkeypatch.setattr(kernels, "O_FUSED_ROWS", B)
+            k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+            got = kernels.attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k1, v1, pos, window, 1e-6, w_o)
+            want = flint.attention_decode_ref(qkv, q_norm, k_norm, sinks, cos, sin, k2, v2, pos, window, 1e-6, w_o)
+            assert got.dtype == (torch.int64 if fused else torch.bfloat16)
+            close(kernels.fixed_to_bf16(got), want)
+            close(k1, k2)
+            assert torch.equal(v1, v2)
 
 
 def check_sink_attention(window, H, G, T, start, seed=0):
@@ -1314,8 +1328,9 @@ def compile_kernels_for_sm90():
     cos, sin = flint.rope_table(cfg, 1024, "cpu")
     for B, window, slots in ((1, 513, 513), (1, 0, 1024), (64, 513, 513)):
         k = bf(B, slots, G, D)
-        kernels.attention_decode(bf(B, (H + 2 * G) * D), bf(D), bf(D), torch.zeros(H), cos, sin, k, k,
-                                 torch.zeros(B, dtype=torch.long), window, 1e-6)
+        for w_o in (None, bf(C, H * D), flint.NVFP4.empty(C, H * D))[:3 if B == 1 else 1]:
+            kernels.attention_decode(bf(B, (H + 2 * G) * D), bf(D), bf(D), torch.zeros(H), cos, sin, k, k,
+                                     torch.zeros(B, dtype=torch.long), window, 1e-6, w_o)
         q_pos, k_pos = torch.arange(256)[None], torch.arange(512)[None]
         kernels.sink_attention(bf(1, 256, H, D), bf(1, 512, G, D), bf(1, 512, G, D), torch.zeros(H), q_pos, k_pos,
                                window)
@@ -1448,6 +1463,7 @@ def checked_ops(worst, fast=None):
             want = getattr(flint.REFERENCE_OPS, name)(*[a.clone() if torch.is_tensor(a) else a for a in args], **kw)
             got = getattr(fast, name)(*args, **kw)
             for i, (g, w) in enumerate(zip(*[r if isinstance(r, tuple) else (r,) for r in (got, want)])):
+                g = kernels.fixed_to_bf16(g)                           # (attention's o_proj sums)
                 close(g, w)
                 err = ((g.float() - w.float()).abs().max() / w.float().abs().max()).item()
                 worst[f"{name}[{i}]"] = max(worst.get(f"{name}[{i}]", 0.0), err)
@@ -1848,7 +1864,7 @@ def test_bench_breakdown_tiny():
     import bench
     model = tiny_model()
     rows, t = bench.breakdown(model, 2, 7, iters=2)
-    assert [r["op"] for r in rows] == ["qkv: add + norm + GEMV", "attention, sliding", "attention, full", "o_proj",
-                                       "dense MLP", "router: add + norm + GEMV", "experts", "lm_head", "between ops"]
+    assert [r["op"] for r in rows] == ["qkv: add + norm + GEMV", "attention + o_proj, sliding",
+                                       "attention + o_proj, full", "dense MLP", "router: add + norm + GEMV", "experts", "lm_head", "between ops"]
     assert t > 0 and all(r["us_step"] > 0 for r in rows[:-1])
     assert abs(sum(r["share"] for r in rows) - 100) < 1e-6
