@@ -3,7 +3,9 @@
 - add_norm_linear: residual add + RMSNorm + GEMV (qkv, router, lm_head), optionally + SwiGLU (dense MLP gate/up).
 - linear: GEMV (o_proj, dense down).
 - attention_decode: q/k RMSNorm + RoPE + KV-cache write + attention with learned sinks, split over the keys
-  (flash-decoding, Dao et al. 2023) so that one sequence fills the GPU, then a combine kernel.
+  (flash-decoding, Dao et al. 2023) so that one sequence fills the GPU, then the splits' combine and o_proj: a combine
+  kernel and the o_proj GEMV, or (NVFP4, one row) one kernel whose programs each combine one head and add its share
+  of o_proj to int64 fixed-point sums, which the next norm reads (exact sums: any order gives the same bits).
 - moe_experts: sigmoid top-k routing + gate/up + SwiGLU of the selected experts and the shared expert in one
   launch, then down + weighted combine + shared add in one launch.
 Prompt chunks (flint.prefill_ops):
@@ -657,9 +659,10 @@ ATTENTION = dict(sliding_splits=32, sliding_block=32, sliding_warps=8, keys_per_
                  full_block=64, full_warps=4, stages=3, programs=512)
 # The splits' combine inside o_proj (_attention_o_kernel) instead of a combine launch and the o_proj GEMV: rows per
 # program and warps by weight format (None: apart), for up to O_FUSED_ROWS rows. H200, 2026-12-03, us per layer at
-# batch 1, attention + o_proj on sliding / full layers at 512 (.dev/o_sweep.py): NVFP4 9.72 / 11.00 fused against
-# 12.30 / 13.61 apart; bf16 12.35 / 14.39 against 13.24 / 14.20, while the router's norm then reads the int64 sums
-# in 3.60 against 2.71 us: bf16 stays apart. At batch 8 fused is slower (NVFP4 35.3 / 33.0 against 33.3 / 30.9).
+# batch 1, attention + o_proj on sliding / full layers at 512, each over all its layers in one CUDA graph: NVFP4
+# 9.72 / 11.00 fused against 12.30 / 13.61 apart; bf16 at best 12.35 / 14.39 against 13.24 / 14.20, while the
+# router's norm reads the int64 sums in 3.60 against 2.71 us, so bf16 stays apart. At batch 8 fused is slower
+# (NVFP4 35.3 / 33.0 against 33.3 / 30.9 us).
 ATTENTION_O = {False: None, True: (64, 2)}
 O_FUSED_ROWS = 1
 

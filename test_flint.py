@@ -1865,6 +1865,7 @@ def test_bench_breakdown_tiny():
     model = tiny_model()
     rows, t = bench.breakdown(model, 2, 7, iters=2)
     assert [r["op"] for r in rows] == ["qkv: add + norm + GEMV", "attention + o_proj, sliding",
-                                       "attention + o_proj, full", "dense MLP", "router: add + norm + GEMV", "experts", "lm_head", "between ops"]
+                                       "attention + o_proj, full", "dense MLP", "router: add + norm + GEMV", "experts",
+                                       "lm_head", "between ops"]
     assert t > 0 and all(r["us_step"] > 0 for r in rows[:-1])
     assert abs(sum(r["share"] for r in rows) - 100) < 1e-6
