@@ -335,11 +335,16 @@ def _block_b(B, dot=False):
 # (16..64 x 64..256 x 4..8 on tensor cores, swept at 64 rows) at Flint's shapes (.dev/tune.py), the GEMV ones summed
 # over qkv, o and router; the wide ones (the lm_head's GEMV after its norm launch) over 2..16 x 512..2048 x 2..8
 # (.dev/norm1.py); the NVFP4 MoE ones, per batch, over 1..8 x 32..1024 x 2..8 (.dev/moe_sweep2.py, whose
-# BLOCK_K, the K step, also sets how many threads share a row: K / BLOCK_K steps, BLOCK_K / 8 threads).
+# BLOCK_K, the K step, also sets how many threads share a row: K / BLOCK_K steps, BLOCK_K / 8 threads). One row
+# apart since 2026-12-04 (.dev/ab.py, us per layer, each op over all its layers in one CUDA graph): normed GEMVs of
+# 1024 output rows and up (qkv) bf16 8.28 against 8.79, NVFP4 6.54 against 6.93; plain ones (o_proj) bf16 5.89
+# against 6.49; the router (256 rows: plain tiles, narrowed) 2.61-2.67 either way.
 TILES = {
     # kernel      rows  nvfp4
-    ("gemv",         1, False): (4, 2048, 8),
+    ("gemv",         1, False): (2, 4096, 8),
     ("gemv",         1, True): (4, 2048, 4),
+    ("gemv_norm",    1, False): (16, 1024, 4),
+    ("gemv_norm",    1, True): (8, 2048, 8),
     ("gemv",         8, False): (2, 2048, 4),                         # (whole steps at batch 2-8, inputs
     ("gemv",         8, True): (2, 2048, 4),                          # normalized apart: .dev/bench_tile.py)
     ("gemv",        16, False): (16, 256, 4),
@@ -441,7 +446,8 @@ def _launch_linear(x, dx, norm_w, w, eps, swiglu=False, f32=False):
     h_out = torch.empty_like(x) if norm else x
     # (H200, batch 8: bf16 881.8 tok/s on tensor cores against 667.0; NVFP4 442.1 against 633.8, so not NVFP4)
     BLOCK_B = _block_b(B, dot=B >= DOT_MIN_ROWS and not nvfp4 and N_out >= DOT_MIN_N)
-    BLOCK_N, BLOCK_K, warps = tiles("gemv_wide" if N_out >= WIDE_N else "gemv", BLOCK_B, nvfp4, K)
+    kind = "gemv_wide" if N_out >= WIDE_N else "gemv_norm" if norm and N_out >= DOT_MIN_N else "gemv"
+    BLOCK_N, BLOCK_K, warps = tiles(kind, BLOCK_B, nvfp4, K)
     while BLOCK_B < 16 and BLOCK_N > 1 and N_out // BLOCK_N < MIN_PROGRAMS:
         BLOCK_N //= 2
     grid = (triton.cdiv(N_out, BLOCK_N),)
@@ -977,11 +983,13 @@ def _moe_gate_up_kernel(
     I, S_W,
     # meta-parameters
     C: tl.constexpr, E: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr, NORM_TOPK: tl.constexpr,
-    NVFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NVFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHARED_FIRST: tl.constexpr,
 ):
     """Program (row block, slot j, token b): slot j < A is the token's j-th routed expert, slot A the shared one;
     its gate and up rows are one [2, BLOCK_N] block of rows (gate rows n, up rows N + n)."""
     rb, j, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if SHARED_FIRST:                                                  # (program slot 0 takes the shared expert)
+        j = (j + A) % (A + 1)
     shared = j == A
     N = tl.where(shared, S_W, I)                                      # rows of gate (and of up) in this expert
     if rb * BLOCK_N < N:
@@ -1047,6 +1055,12 @@ def _moe_down_kernel(
     tl.store(out_ptr + b * C + offs_n, _to_bf16(out))
 
 
+# The gate/up grid's shared-expert programs first (they need no routing, so they read weights while the routed ones
+# still route) by weight format: H200, 2026-12-04, us per layer at batch 1 over 8 layers (.dev/sweep.py): bf16 18.92 /
+# 19.01 against 19.23 / 19.29; NVFP4 15.69 / 15.70 against 14.95 / 14.99, so NVFP4 keeps the routed ones first
+SHARED_FIRST = {False: True, True: False}
+
+
 def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, norm_topk_prob):
     """h [B, C] bf16, router logits [B, E] bf16 -> routed experts + shared expert [B, C] bf16."""
     B, C = h.shape
@@ -1070,7 +1084,7 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
         h, logits, wp, sp, rsp, swp, ssp, srsp, act, ids, wts,
         I, S_W,
         C=C, E=E, A=top_k, A_PAD=triton.next_power_of_2(top_k), NORM_TOPK=norm_topk_prob, NVFP4=nvfp4,
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=warps)
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SHARED_FIRST=SHARED_FIRST[nvfp4], num_warps=warps)
     out = torch.empty_like(h)
     BLOCK_N, BLOCK_K, warps = tiles("moe_down", rows, nvfp4, I)
     assert C % BLOCK_N == 0 and I % BLOCK_K == 0, f"hidden size {C} or expert width {I} is not a multiple of the tile"
