@@ -338,7 +338,8 @@ def _block_b(B, dot=False):
 # BLOCK_K, the K step, also sets how many threads share a row: K / BLOCK_K steps, BLOCK_K / 8 threads). One row
 # apart since 2026-12-04 (.dev/ab.py, us per layer, each op over all its layers in one CUDA graph): normed GEMVs of
 # 1024 output rows and up (qkv) bf16 8.28 against 8.79, NVFP4 6.54 against 6.93; plain ones (o_proj) bf16 5.89
-# against 6.49; the router (256 rows: plain tiles, narrowed) 2.61-2.67 either way.
+# against 6.49; the router (256 rows: plain tiles, narrowed) 2.61-2.67 either way; the NVFP4 lm_head 80.5 / 80.2
+# against 83.1 / 84.1 (.dev/sweep2.py).
 TILES = {
     # kernel      rows  nvfp4
     ("gemv",         1, False): (2, 4096, 8),
@@ -349,7 +350,7 @@ TILES = {
     ("gemv",         8, True): (2, 2048, 4),                          # normalized apart: .dev/bench_tile.py)
     ("gemv",        16, False): (16, 256, 4),
     ("gemv_wide",    1, False): (4, 2048, 4),
-    ("gemv_wide",    1, True): (4, 1024, 2),
+    ("gemv_wide",    1, True): (8, 1024, 2),
     ("gemv_wide",    8, False): (8, 2048, 4),
     ("gemv_wide",    8, True): (8, 512, 2),
     ("gemv_wide",   16, False): (16, 256, 4),
