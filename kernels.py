@@ -1058,7 +1058,9 @@ def _moe_down_kernel(
 
 # The gate/up grid's shared-expert programs first (they need no routing, so they read weights while the routed ones
 # still route) by weight format: H200, 2026-12-04, us per layer at batch 1 over 8 layers (.dev/sweep.py): bf16 18.92 /
-# 19.01 against 19.23 / 19.29; NVFP4 15.69 / 15.70 against 14.95 / 14.99, so NVFP4 keeps the routed ones first
+# 19.01 against 19.23 / 19.29; NVFP4 15.69 / 15.70 against 14.95 / 14.99, so NVFP4 keeps the routed ones first. bf16
+# whole steps at 512 (.dev/sf_ab.py, 3 alternated runs, tok/s): batch 2 618.2-620.6 against 615.7-617.5, batch 4
+# 828.0-836.3 against 827.8-830.0, batch 8 1008.5-1019.4 against 1009.4-1012.3
 SHARED_FIRST = {False: True, True: False}
 
 
