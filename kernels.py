@@ -339,7 +339,8 @@ def _block_b(B, dot=False):
 # apart since 2026-12-04 (.dev/ab.py, us per layer, each op over all its layers in one CUDA graph): normed GEMVs of
 # 1024 output rows and up (qkv) bf16 8.28 against 8.79, NVFP4 6.54 against 6.93; plain ones (o_proj) bf16 5.89
 # against 6.49; the router (256 rows: plain tiles, narrowed) 2.61-2.67 either way; the NVFP4 lm_head 80.5 / 80.2
-# against 83.1 / 84.1 (.dev/sweep2.py).
+# against 83.1 / 84.1 (.dev/sweep2.py); the dense MLP (normed SwiGLU, then the down GEMV, K steps dividing its 6144)
+# bf16 24.23-24.56 against 25.57-25.96, NVFP4 22.28-22.48 against 21.47-21.51 (.dev/dense.py; 2 layers of 49).
 TILES = {
     # kernel      rows  nvfp4
     ("gemv",         1, False): (2, 4096, 8),
@@ -365,7 +366,8 @@ TILES = {
 }
 
 
-# GEMVs of DOT_MIN_ROWS to 8 bf16 batch rows go to tensor cores from DOT_MIN_N output rows (not the router's 256);
+# GEMVs of DOT_MIN_ROWS to 8 bf16 batch rows go to tensor cores from DOT_MIN_N output rows (not the router's 256),
+# and one normalized row takes the "gemv_norm" tiles from there;
 # off tensor cores, GEMVs of fewer than MIN_PROGRAMS row blocks take narrower blocks (smaller under the
 # interpreter, whose tests have tiny shapes)
 DOT_MIN_ROWS = 5
@@ -377,6 +379,8 @@ def tiles(kernel, BLOCK_B, nvfp4, K):
     """(BLOCK_N, BLOCK_K, num_warps) for a GEMV over K-wide rows; small tiles under the interpreter."""
     rows = 1 if BLOCK_B == 1 else 8 if BLOCK_B <= 8 else 16
     BLOCK_N, BLOCK_K, warps = (16, 64, 4) if INTERPRET else TILES[kernel, rows, nvfp4]
+    while not INTERPRET and K % BLOCK_K and K % (BLOCK_K // 2) == 0:  # on the GPU, K steps that divide K where
+        BLOCK_K //= 2                                                 # they can (no masked last step)
     return BLOCK_N, min(BLOCK_K, max(16, triton.next_power_of_2(K))), warps
 
 
