@@ -332,8 +332,9 @@ def _block_b(B, dot=False):
 
 # Tiles (BLOCK_N, BLOCK_K, num_warps) per kernel, rows (1; 2-8: one multiply-sum per row; 16: 5-8 bf16 rows padded,
 # on tensor cores) and weight format: measured on an H200, the fastest of a sweep over 2..16 x 256..2048 x 2..8 warps
-# (16..64 x 64..256 x 4..8 on tensor cores, swept at 64 rows) at Flint's shapes (.dev/tune.py), the GEMV ones summed
-# over qkv, o and router; the wide ones (the lm_head's GEMV after its norm launch) over 2..16 x 512..2048 x 2..8
+# (16..64 x 64..256 x 4..8 on tensor cores, swept at 64 rows) at Flint's shapes (.dev/tune.py), the GEMV ones of 2-8
+# rows summed over qkv, o and router; the wide ones (the lm_head's GEMV after its norm launch) over 2..16 x 512..2048
+# x 2..8
 # (.dev/norm1.py); the NVFP4 MoE ones, per batch, over 1..8 x 32..1024 x 2..8 (.dev/moe_sweep2.py, whose
 # BLOCK_K, the K step, also sets how many threads share a row: K / BLOCK_K steps, BLOCK_K / 8 threads). One row
 # apart since 2026-12-04 (.dev/ab.py, us per layer, each op over all its layers in one CUDA graph): normed GEMVs of
@@ -379,8 +380,9 @@ def tiles(kernel, BLOCK_B, nvfp4, K):
     """(BLOCK_N, BLOCK_K, num_warps) for a GEMV over K-wide rows; small tiles under the interpreter."""
     rows = 1 if BLOCK_B == 1 else 8 if BLOCK_B <= 8 else 16
     BLOCK_N, BLOCK_K, warps = (16, 64, 4) if INTERPRET else TILES[kernel, rows, nvfp4]
-    while not INTERPRET and K % BLOCK_K and K % (BLOCK_K // 2) == 0:  # on the GPU, K steps that divide K where
-        BLOCK_K //= 2                                                 # they can (no masked last step)
+    if not INTERPRET:                     # on the GPU, K steps that divide K where they can (no masked last step;
+        while K % BLOCK_K and K % (BLOCK_K // 2) == 0:    # the interpreter's tests keep masked steps to check)
+            BLOCK_K //= 2
     return BLOCK_N, min(BLOCK_K, max(16, triton.next_power_of_2(K))), warps
 
 
