@@ -342,6 +342,10 @@ def _block_b(B, dot=False):
 # against 6.49; the router (256 rows: plain tiles, narrowed) 2.61-2.67 either way; the NVFP4 lm_head 80.5 / 80.2
 # against 83.1 / 84.1 (.dev/sweep2.py); the dense MLP (normed SwiGLU, then the down GEMV, K steps dividing its 6144)
 # bf16 24.23-24.56 against 25.57-25.96, NVFP4 22.28-22.48 against 21.47-21.51 (.dev/dense.py; 2 layers of 49).
+# The NVFP4 MoE ones since _rows_dot holds a thread's rows at one K (2026-12-04, .dev/rit_ab*.py, us per layer over
+# the 47 MoE layers): one row and one warp per program, 256 codes per step, for gate/up and down at batch 1, 12.74-12.91
+# against 14.37-14.55 for the (2, 128, 2) / (2, 64, 4) kept before (24 pairs swept; fewer, larger programs slower, up to
+# 20.9); at batch 8 down (1, 256, 1) with gate/up (8, 128, 4), 64.66-65.13 against 65.32-65.47.
 TILES = {
     # kernel      rows  nvfp4
     ("gemv",         1, False): (2, 4096, 8),
@@ -357,13 +361,13 @@ TILES = {
     ("gemv_wide",    8, True): (8, 512, 2),
     ("gemv_wide",   16, False): (16, 256, 4),
     ("moe_gate_up",  1, False): (8, 1024, 4),
-    ("moe_gate_up",  1, True): (2, 128, 2),
+    ("moe_gate_up",  1, True): (1, 256, 1),
     ("moe_gate_up",  8, False): (8, 1024, 4),
     ("moe_gate_up",  8, True): (8, 128, 4),
     ("moe_down",     1, False): (4, 512, 4),
-    ("moe_down",     1, True): (2, 64, 4),
+    ("moe_down",     1, True): (1, 256, 1),
     ("moe_down",     8, False): (4, 512, 4),
-    ("moe_down",     8, True): (4, 64, 4),
+    ("moe_down",     8, True): (1, 256, 1),
 }
 
 
@@ -949,6 +953,33 @@ def route(logits, top_k, norm_topk_prob):
 
 
 @triton.jit
+def _quarters(t):
+    """t[..., 0], t[..., 1], t[..., 2], t[..., 3] of t [..., 4] (elements held by one thread: no data moves)."""
+    a, b = tl.split(tl.reshape(t, t.shape[:-1] + [2, 2]))
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    return a0, b0, a1, b1
+
+
+@triton.jit
+def _chain4(a, x, b, y):
+    """sum over the last dim (4) of a * x + b * y, as one chain of fused multiply-adds."""
+    a0, a1, a2, a3 = _quarters(a)
+    x0, x1, x2, x3 = _quarters(x)
+    b0, b1, b2, b3 = _quarters(b)
+    y0, y1, y2, y3 = _quarters(y)
+    s = a0 * x0
+    s += b0 * y0
+    s += a1 * x1
+    s += b1 * y1
+    s += a2 * x2
+    s += b2 * y2
+    s += a3 * x3
+    s += b3 * y3
+    return s
+
+
+@triton.jit
 def _rows_dot(x_rows, w_rows, s_rows, K: tl.constexpr, NVFP4: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc[i, n] = input row x_rows[i] . weight row w_rows[i, n] over all K (pointer tensors [I, 1] and [I, N]:
     the rows' starts; s_rows: the e4m3 scale rows of NVFP4 weights, whose row scale is left to the caller), fp32.
@@ -957,22 +988,21 @@ def _rows_dot(x_rows, w_rows, s_rows, K: tl.constexpr, NVFP4: tl.constexpr, BLOC
     step. The shapes must be even (BLOCK_K divides K): no masks."""
     if NVFP4:
         # byte j of a row holds elements 2j (low nibble) and 2j + 1 (high), read against one int32 of the input (two
-        # bf16). Tiles are [half-groups of 8 codes, their 4 bytes, *rows]: K leads, so threads go along K and the
-        # bytes, their decoded values and the input pairs they multiply share one layout (no exchange through shared
-        # memory). One e4m3 scale per 16 elements: products summed per half-group, scaled, summed over K at the end
-        # (x 2^14 undoes _e2m1's scaling)
+        # bf16). Tiles are [words of 8 codes along K, *rows, their 4 bytes]: after the bytes (one 4-byte load per
+        # thread and row) threads go along K, so once BLOCK_K / 8 covers the program's threads, every thread holds
+        # all its rows at the same K and one input load, read in the [H, 1, 1, 4] shape of that layout, serves them
+        # all (no exchange through shared memory). One e4m3 scale per 16 elements: each word's 8 products summed in
+        # one chain of FMAs, scaled, summed over K at the end (x 2^14 undoes _e2m1's scaling)
         H: tl.constexpr = BLOCK_K // 8
         hh = tl.arange(0, H)
-        jj = hh[:, None, None, None] * 4 + tl.arange(0, 4)[None, :, None, None]             # [H, 4, 1, 1]
+        jj = hh[:, None, None, None] * 4 + tl.arange(0, 4)[None, None, None, :]             # [H, 1, 1, 4]
         acc = tl.zeros([H, w_rows.shape[0], w_rows.shape[1]], dtype=tl.float32)
         for k0 in tl.static_range(0, K, BLOCK_K):
-            byte = tl.load(w_rows[None, None, :, :] + k0 // 2 + jj)
+            byte = tl.load(w_rows[None, :, :, None] + k0 // 2 + jj)
             sc = tl.load(s_rows[None, :, :] + k0 // 16 + hh[:, None, None] // 2).to(tl.float32)
-            # the input read in the tile's own shape (each thread the pairs its rows need, from L1): its layout
-            # is then the bytes' layout, where a [H, 4, 1, 1] read would be exchanged through shared memory
-            x_even, x_odd = _pairs(tl.broadcast_to(x_rows, w_rows.shape)[None, None, :, :], k0 // 2 + jj)
+            x_even, x_odd = _pairs(x_rows[None, :, :, None], k0 // 2 + jj)
             w_lo, w_hi = _e2m1_pair(byte)
-            acc += tl.sum(w_lo * x_even + w_hi * x_odd, 1) * sc
+            acc += _chain4(w_lo, x_even, w_hi, x_odd) * sc
         return tl.sum(acc, 0) * 16384.0
     offs_k = tl.arange(0, BLOCK_K)[None, None, :]
     acc = tl.zeros([w_rows.shape[0], w_rows.shape[1], BLOCK_K], dtype=tl.float32)
