@@ -345,7 +345,10 @@ def _block_b(B, dot=False):
 # The NVFP4 MoE ones since _rows_dot holds a thread's rows at one K (2026-12-04, .dev/rit_ab*.py, us per layer over
 # the 47 MoE layers): one row and one warp per program, 256 codes per step, for gate/up and down at batch 1, 12.74-12.91
 # against 14.37-14.55 for the (2, 128, 2) / (2, 64, 4) kept before (24 pairs swept; fewer, larger programs slower, up to
-# 20.9); at batch 8 down (1, 256, 1) with gate/up (8, 128, 4), 64.66-65.13 against 65.32-65.47.
+# 20.9); at batch 8 down (1, 256, 1) with gate/up (8, 128, 4), 64.66-65.13 against 65.32-65.47. One-warp tiles, swept
+# then for the first time (.dev/warp1.py): only the NVFP4 lm_head gained, 75.3-76.1 us with (4, 256, 1) against
+# 85.5-85.8 with (8, 1024, 2); qkv, router, o_proj and the NVFP4 attention + o_proj were fastest as kept; the bf16
+# MoE at batch 1 gained (.dev/bfmoe.py): gate/up (2, 256, 1) with down (1, 512, 2) 17.88-17.92 against 18.38-18.60.
 TILES = {
     # kernel      rows  nvfp4
     ("gemv",         1, False): (2, 4096, 8),
@@ -356,15 +359,15 @@ TILES = {
     ("gemv",         8, True): (2, 2048, 4),                          # normalized apart: .dev/bench_tile.py)
     ("gemv",        16, False): (16, 256, 4),
     ("gemv_wide",    1, False): (4, 2048, 4),
-    ("gemv_wide",    1, True): (8, 1024, 2),
+    ("gemv_wide",    1, True): (4, 256, 1),
     ("gemv_wide",    8, False): (8, 2048, 4),
     ("gemv_wide",    8, True): (8, 512, 2),
     ("gemv_wide",   16, False): (16, 256, 4),
-    ("moe_gate_up",  1, False): (8, 1024, 4),
+    ("moe_gate_up",  1, False): (2, 256, 1),
     ("moe_gate_up",  1, True): (1, 256, 1),
     ("moe_gate_up",  8, False): (8, 1024, 4),
     ("moe_gate_up",  8, True): (8, 128, 4),
-    ("moe_down",     1, False): (4, 512, 4),
+    ("moe_down",     1, False): (1, 512, 2),
     ("moe_down",     1, True): (1, 256, 1),
     ("moe_down",     8, False): (4, 512, 4),
     ("moe_down",     8, True): (1, 256, 1),
