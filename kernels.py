@@ -332,10 +332,9 @@ def _block_b(B, dot=False):
 
 # Tiles (BLOCK_N, BLOCK_K, num_warps) per kernel, rows (1; 2-8: one multiply-sum per row; 16: 5-8 bf16 rows padded,
 # on tensor cores) and weight format: measured on an H200, the fastest of a sweep over 2..16 x 256..2048 x 2..8 warps
-# (16..64 x 64..256 x 4..8 on tensor cores, swept at 64 rows) at Flint's shapes (.dev/tune.py), the GEMV ones of 2-8
-# rows summed over qkv, o and router; the wide ones (the lm_head's GEMV after its norm launch) over 2..16 x 512..2048
-# x 2..8
-# (.dev/norm1.py); the NVFP4 MoE ones, per batch, over 1..8 x 32..1024 x 2..8 (.dev/moe_sweep2.py, whose
+# (16..64 x 64..256 x 4..8 on tensor cores, swept at 64 rows) at Flint's shapes (.dev/tune.py; one warp swept later,
+# below), the GEMV ones of 2-8 rows summed over qkv, o and router; the wide ones (the lm_head's GEMV after its norm
+# launch) over 2..16 x 512..2048 x 2..8 (.dev/norm1.py); the NVFP4 MoE ones, per batch, over 1..8 x 32..1024 x 2..8 (.dev/moe_sweep2.py, whose
 # BLOCK_K, the K step, also sets how many threads share a row: K / BLOCK_K steps, BLOCK_K / 8 threads). One row
 # apart since 2026-12-04 (.dev/ab.py, us per layer, each op over all its layers in one CUDA graph): normed GEMVs of
 # 1024 output rows and up (qkv) bf16 8.28 against 8.79, NVFP4 6.54 against 6.93; plain ones (o_proj) bf16 5.89
@@ -958,10 +957,10 @@ def route(logits, top_k, norm_topk_prob):
 @triton.jit
 def _quarters(t):
     """t[..., 0], t[..., 1], t[..., 2], t[..., 3] of t [..., 4] (elements held by one thread: no data moves)."""
-    a, b = tl.split(tl.reshape(t, t.shape[:-1] + [2, 2]))
-    a0, a1 = tl.split(a)
-    b0, b1 = tl.split(b)
-    return a0, b0, a1, b1
+    even, odd = tl.split(tl.reshape(t, t.shape[:-1] + [2, 2]))        # elements 0, 2 and 1, 3
+    t0, t2 = tl.split(even)
+    t1, t3 = tl.split(odd)
+    return t0, t1, t2, t3
 
 
 @triton.jit
