@@ -910,14 +910,30 @@ def _ordered(bits):
 
 
 @triton.jit
-def _route(logits_ptr, b, E: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr, NORM_TOPK: tl.constexpr):
-    """Top-A experts of token b by router logit (ties: lowest index) and their weights sigmoid / sum, [A_PAD].
-    One max per pick: an int32 key holds the bf16 logit's bits in its upper half (made to order like the values:
-    a negative one's magnitude bits flipped, -0 taken as +0) and 0xFFFF - expert in its lower half."""
+def _route_keys(logits_ptr, b, E: tl.constexpr):
+    """Token b's E router logits as int32 keys that order like the logits and are distinct: the bf16 logit's bits
+    in the upper half (made to order like the values: a negative one's magnitude bits flipped, -0 taken as +0),
+    0xFFFF - expert in the lower half (ties: lowest index first)."""
     offs_e = tl.arange(0, E)
     r = tl.load(logits_ptr + b * E + offs_e).to(tl.float32)
     bits = tl.where(r == 0.0, 0.0, r).to(tl.int32, bitcast=True)    # a bf16: the lower 16 bits are zero
-    key = _ordered(bits) | (0xFFFF - offs_e)
+    return _ordered(bits) | (0xFFFF - offs_e)
+
+
+@triton.jit
+def _ranked(logits_ptr, b, j, E: tl.constexpr):
+    """The expert of rank j (0: the highest logit) among token b's, as _route picks them: j + 1 maxima, not A."""
+    key = _route_keys(logits_ptr, b, E)
+    for _ in range(j):
+        key = tl.where(key == tl.max(key, 0), -2147483648, key)
+    return 0xFFFF - (tl.max(key, 0) & 0xFFFF)
+
+
+@triton.jit
+def _route(logits_ptr, b, E: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr, NORM_TOPK: tl.constexpr):
+    """Top-A experts of token b by router logit (ties: lowest index) and their weights sigmoid / sum, [A_PAD]:
+    one max of the keys (_route_keys) per pick."""
+    key = _route_keys(logits_ptr, b, E)
     offs_a = tl.arange(0, A_PAD)
     ids = tl.zeros([A_PAD], dtype=tl.int32)
     vals = tl.zeros([A_PAD], dtype=tl.float32)
@@ -1035,12 +1051,12 @@ def _moe_gate_up_kernel(
     if rb * BLOCK_N < N:
         e = tl.full([], 0, tl.int64)
         if j < A:                                                     # (the shared expert's loads need no routing)
-            ids, wts = _route(logits_ptr, b, E, A, A_PAD, NORM_TOPK)
-            offs_a = tl.arange(0, A_PAD)
             if (rb == 0) & (j == 0):                                  # one program records the routing
+                ids, wts = _route(logits_ptr, b, E, A, A_PAD, NORM_TOPK)
+                offs_a = tl.arange(0, A_PAD)
                 tl.store(ids_ptr + b * A + offs_a, ids, mask=offs_a < A)
                 tl.store(wts_ptr + b * A + offs_a, wts, mask=offs_a < A)
-            e = tl.sum(tl.where(offs_a == j, ids, 0), 0).to(tl.int64)
+            e = _ranked(logits_ptr, b, j, E).to(tl.int64)             # (slot j needs j + 1 picks)
         ROW_BYTES: tl.constexpr = C // 2 if NVFP4 else C
         rows = e * 2 * I + tl.arange(0, 2)[:, None] * N + rb * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         w_rows = tl.where(shared, sw_ptr, w_ptr) + rows * ROW_BYTES
