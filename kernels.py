@@ -330,24 +330,25 @@ def _block_b(B, dot=False):
     return 1 if B == 1 else 16 if dot else triton.next_power_of_2(B)
 
 
-# Tiles (BLOCK_N, BLOCK_K, num_warps) per kernel, rows (1; 2-8: one multiply-sum per row; 16: 5-8 bf16 rows padded,
-# on tensor cores) and weight format: measured on an H200, the fastest of a sweep over 2..16 x 256..2048 x 2..8 warps
+# Tiles (BLOCK_N, BLOCK_K, num_warps) per kernel, rows (1; 2-8: one multiply-sum per row; 16: 5-8 bf16 rows padded, on
+# tensor cores) and weight format: measured on an H200, the fastest of a sweep over 2..16 x 256..2048 x 2..8 warps
 # (16..64 x 64..256 x 4..8 on tensor cores, swept at 64 rows) at Flint's shapes (.dev/tune.py; one warp swept later,
 # below), the GEMV ones of 2-8 rows summed over qkv, o and router; the wide ones (the lm_head's GEMV after its norm
-# launch) over 2..16 x 512..2048 x 2..8 (.dev/norm1.py); the NVFP4 MoE ones, per batch, over 1..8 x 32..1024 x 2..8 (.dev/moe_sweep2.py, whose
-# BLOCK_K, the K step, also sets how many threads share a row: K / BLOCK_K steps, BLOCK_K / 8 threads). One row
-# apart since 2026-12-04 (.dev/ab.py, us per layer, each op over all its layers in one CUDA graph): normed GEMVs of
-# 1024 output rows and up (qkv) bf16 8.28 against 8.79, NVFP4 6.54 against 6.93; plain ones (o_proj) bf16 5.89
-# against 6.49; the router (256 rows: plain tiles, narrowed) 2.61-2.67 either way; the NVFP4 lm_head 80.5 / 80.2
-# against 83.1 / 84.1 (.dev/sweep2.py); the dense MLP (normed SwiGLU, then the down GEMV, K steps dividing its 6144)
-# bf16 24.23-24.56 against 25.57-25.96, NVFP4 22.28-22.48 against 21.47-21.51 (.dev/dense.py; 2 layers of 49).
-# The NVFP4 MoE ones since _rows_dot holds a thread's rows at one K (2026-12-04, .dev/rit_ab*.py, us per layer over
-# the 47 MoE layers): one row and one warp per program, 256 codes per step, for gate/up and down at batch 1, 12.74-12.91
-# against 14.37-14.55 for the (2, 128, 2) / (2, 64, 4) kept before (24 pairs swept; fewer, larger programs slower, up to
-# 20.9); at batch 8 down (1, 256, 1) with gate/up (8, 128, 4), 64.66-65.13 against 65.32-65.47. One-warp tiles, swept
-# then for the first time (.dev/warp1.py): only the NVFP4 lm_head gained, 75.3-76.1 us with (4, 256, 1) against
-# 85.5-85.8 with (8, 1024, 2); qkv, router, o_proj and the NVFP4 attention + o_proj were fastest as kept; the bf16
-# MoE at batch 1 gained (.dev/bfmoe.py): gate/up (2, 256, 1) with down (1, 512, 2) 17.88-17.92 against 18.38-18.60.
+# launch) over 2..16 x 512..2048 x 2..8 (.dev/norm1.py); the NVFP4 MoE ones, per batch, over 1..8 x 32..1024 x 2..8
+# (.dev/moe_sweep2.py, whose BLOCK_K, the K step, also sets how many threads share a row: K / BLOCK_K steps, BLOCK_K /
+# 8 threads). One row apart since 2026-12-04 (.dev/ab.py, us per layer, each op over all its layers in one CUDA
+# graph): normed GEMVs of 1024 output rows and up (qkv) bf16 8.28 against 8.79, NVFP4 6.54 against 6.93; plain ones
+# (o_proj) bf16 5.89 against 6.49; the router (256 rows: plain tiles, narrowed) 2.61-2.67 either way; the NVFP4
+# lm_head 80.5 / 80.2 against 83.1 / 84.1 (.dev/sweep2.py); the dense MLP (normed SwiGLU, then the down GEMV, K steps
+# dividing its 6144) bf16 24.23-24.56 against 25.57-25.96, NVFP4 22.28-22.48 against 21.47-21.51 (.dev/dense.py; 2
+# layers of 49). The NVFP4 MoE ones since _rows_dot holds a thread's rows at one K (2026-12-04, .dev/rit_ab*.py, us
+# per layer over the 47 MoE layers): one row and one warp per program, 256 codes per step, for gate/up and down at
+# batch 1, 12.74-12.91 against 14.37-14.55 for the (2, 128, 2) / (2, 64, 4) kept before (24 pairs swept; fewer, larger
+# programs slower, up to 20.9); at batch 8 down (1, 256, 1) with gate/up (8, 128, 4), 64.66-65.13 against 65.32-65.47.
+# One-warp tiles, swept then for the first time (.dev/warp1.py): only the NVFP4 lm_head gained, 75.3-76.1 us with (4,
+# 256, 1) against 85.5-85.8 with (8, 1024, 2); qkv, router, o_proj and the NVFP4 attention + o_proj were fastest as
+# kept; the bf16 MoE at batch 1 gained (.dev/bfmoe.py): gate/up (2, 256, 1) with down (1, 512, 2) 17.88-17.92 against
+# 18.38-18.60. Swept again after _ranked (.dev/moe_tiles3.py, 8 NVFP4 pairs at batch 1): unchanged.
 TILES = {
     # kernel      rows  nvfp4
     ("gemv",         1, False): (2, 4096, 8),
