@@ -14,21 +14,57 @@ Prompt chunks (flint.prefill_ops):
 - matmul: GEMM for NVFP4 weights (bf16 ones go to cuBLAS).
 - add_rms_norm, qk_norm_rope, route: the norms (and RoPE) and the routing of the chunk's rows, one pass each.
 
+With bf16 weights on SM90 and newer, decode kernels take programmatic dependent launch (PDL, `_pdl_wait`): each
+may start while the kernel before it still runs, load its weights, then wait for that kernel to finish.
+
 Weights are bf16 [N, K] or NVFP4 (flint.NVFP4: nibble plane [N, K/2], e4m3 scales [N, K/16], fp32 row scale),
 dequantized in registers (no FP4 tensor cores on SM90). Every product is exact in fp32 and sums accumulate in fp32,
 like the references; kernels differ from them only in summation order (and, in attention, in the running max that
 P is rounded against). Kernels also run under TRITON_INTERPRET=1 (CPU CI): there bf16 is emulated, so tensors are
 cast to fp32 right after loading and tl.dot runs in fp32.
 """
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"   # set by the caller before importing triton
 IN_INTERPRETER = tl.constexpr(INTERPRET)                # INTERPRET in kernels: tl.dot on fp32, no PTX
 LOG2E = 1.4426950408889634                              # 1 / ln 2: softmax runs on exp2
+
+
+@functools.cache
+def _pdl_device(index):
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+# Programmatic dependent launch of the decode kernels (_pdl_wait) by weight format. Whole CUDA-graph steps on an
+# H200, 2026-12-04, two alternated rounds (.dev/pdl_ab.py, tok/s without -> with): bf16 batch 1 at 512 430.1 / 440.1
+# -> 451.1 / 463.6, at 32K 389.9 / 391.0 -> 401.3 / 402.3, batch 8 1029.3 / 1044.2 -> 1031.1 / 1036.9; NVFP4 slower,
+# batch 1 at 512 557.9 / 580.7 -> 533.6 / 532.8, at 32K 472.5 / 490.1 -> 445.3 / 445.3, batch 8 1122.7 / 1127.2 ->
+# 1117.5 / 1121.9, so NVFP4 weights keep plain launches
+PDL = {False: True, True: False}
+
+
+def _pdl(t, nvfp4):
+    """Whether the decode kernels reading tensor t (weights NVFP4 or not) take programmatic dependent launch: by
+    format (PDL), on SM90 and newer GPUs."""
+    return PDL[nvfp4] and not INTERPRET and t.is_cuda and _pdl_device(t.device.index)
+
+
+@triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    """Programmatic dependent launch (PDL): a kernel launched with it may start while the kernel before it still
+    runs, so its programs first load what no kernel of the step writes (weights, earlier steps' cache slots), then
+    wait here until that kernel has finished and its writes are visible, before reading any activation and before
+    writing anything. Only then do they let the next kernel launch, so at most two kernels run at once and all
+    before the one running have finished."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 # -----------------------------------------------------------------------------
@@ -218,13 +254,15 @@ def _rstd_first(rstd, k0, x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD: tl.co
 def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
           w_ptr, s_ptr, offs_n, N, K: tl.constexpr, eps,
           ADD: tl.constexpr, NORM: tl.constexpr, NVFP4: tl.constexpr,
-          BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr, RSTD: tl.constexpr):
+          BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr, RSTD: tl.constexpr,
+          PDL: tl.constexpr):
     """acc[b, n] += input[b, :] . W[offs_n, :] over all of K, for a bf16 or NVFP4 weight (rows offs_n < N); returns
     (acc, rstd). With 16 rows (bf16 weights) on tensor cores (bf16 operands: the values are bf16-exact, so products
     are exact); below, one broadcast multiply-sum per row. EVEN: BLOCK_K divides K, all rows offs_n are < N and all
     BLOCK_B input rows are < B, so no load needs a per-element mask (a third fewer instructions in the NVFP4 GEMV).
     RSTD: the norm's 1 / rms of each row is computed here, in the first step (ptxas issues the first weight tile's
-    loads after the reduction's first shuffles; a barrier that put them first measured slower on an H200)."""
+    loads after the reduction's first shuffles; a barrier that put them first measured slower on an H200). PDL: the
+    first weight tile is loaded before _pdl_wait."""
     nmask = _below(offs_n, N, EVEN)
     tl.static_assert(not (NVFP4 and DOT), "NVFP4 GEMVs run one multiply-sum per row")
     if NVFP4:
@@ -240,6 +278,8 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
                            mask=nmask[None, None, :] & _below(jb, K // 2, EVEN), other=0)
             hs = k0 // 16 + hh[:, None] // 2
             sc = _load_f32(s_ptr + offs_n[None, :] * (K // 16) + hs, nmask[None, :] & _below(hs, K // 16, EVEN))
+            if k0 == 0:
+                _pdl_wait(PDL)
             rstd = _rstd_first(rstd, k0, x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD, BLOCK_B, BLOCK_K, EVEN, RSTD)
             w_lo, w_hi = _e2m1_pair(byte)
             for b in tl.static_range(BLOCK_B):
@@ -258,6 +298,8 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
         for k0 in tl.static_range(0, K, BLOCK_K):
             wmask = nmask[:, None] & _below(k0 + offs_k[None, :], K, EVEN)
             w = _load_f32(w_ptr + offs_n[:, None] * K + k0 + offs_k[None, :], wmask)
+            if k0 == 0:
+                _pdl_wait(PDL)
             rstd = _rstd_first(rstd, k0, x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD, BLOCK_B, BLOCK_K, EVEN, RSTD)
             if DOT:
                 x = _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, k0 + offs_k, B, K, stride_b, ADD, NORM, EVEN)
@@ -409,6 +451,7 @@ def _linear_kernel(
     # meta-parameters
     K: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, NVFP4: tl.constexpr, SWIGLU: tl.constexpr,
     OUT_F32: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     tl.static_assert(not NORM or BLOCK_B == 1, "inputs of 2-8 rows are normalized apart (_launch_linear)")
     pid = tl.program_id(0)
@@ -418,7 +461,7 @@ def _linear_kernel(
     N_out = N // 2 if SWIGLU else N
     acc = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
     acc, rstd = _gemv(acc, x_ptr, dx_ptr, nw_ptr, tl.zeros([BLOCK_B], dtype=tl.float32), offs_b, B, stride_xb,
-                      w_ptr, s_ptr, offs_n, N_out, K, eps, ADD, NORM, NVFP4, BLOCK_B, BLOCK_K, DOT, EVEN, NORM)
+                      w_ptr, s_ptr, offs_n, N_out, K, eps, ADD, NORM, NVFP4, BLOCK_B, BLOCK_K, DOT, EVEN, NORM, PDL)
     if NORM:
         if pid == 0:                                                  # one program stores x + dx and h
             _store_add_norm(x_ptr, dx_ptr, nw_ptr, rstd, x_out_ptr, h_out_ptr, offs_b, B, K, stride_xb,
@@ -430,7 +473,7 @@ def _linear_kernel(
         u = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
         u, _ = _gemv(u, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_xb, w_ptr + N_out * (K // 2 if NVFP4 else K),
                      s_ptr + N_out * (K // 16), offs_n, N_out, K, eps, ADD, NORM, NVFP4, BLOCK_B, BLOCK_K, DOT, EVEN,
-                     False)
+                     False, False)
         if NVFP4:
             u *= _load_f32(rs_ptr + N_out + offs_n, nmask)[None, :]
         g, u = _round_bf16(acc), _round_bf16(u)                       # the dense gate/up GEMMs output bf16
@@ -453,7 +496,7 @@ def _launch_linear(x, dx, norm_w, w, eps, swiglu=False, f32=False):
         # lm_head's 37,536 programs (H200, 2026-12-03, us: qkv at batch 8 NVFP4 24.8 against 42.4, bf16 17.2 against
         # 25.5; router at batch 8 7.6 against 10.8; lm_head at batch 1 NVFP4 92.6 against 133.8, bf16 142.1 against
         # 146.0). One row of qkv or the router is faster normalized in every program (7.1 against 7.7, 2.7 against 3.8)
-        x_out, h_out = add_rms_norm(x, dx, norm_w, eps)
+        x_out, h_out = _add_rms_norm(x, dx, norm_w, eps, _pdl(x, nvfp4))
         return x_out, h_out, _launch_linear(h_out, None, None, w, eps, swiglu, f32)[2]
     y = torch.empty(B, N_out, device=x.device, dtype=torch.float32 if f32 else torch.bfloat16)
     x_out = torch.empty_like(x) if norm else x
@@ -472,7 +515,8 @@ def _launch_linear(x, dx, norm_w, w, eps, swiglu=False, f32=False):
         x.stride(0), y.stride(0),
         K=K, ADD=dx is not None, NORM=norm, NVFP4=nvfp4, SWIGLU=swiglu, OUT_F32=f32,
         BLOCK_B=BLOCK_B, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        EVEN=N_out % BLOCK_N == 0 and K % BLOCK_K == 0 and B == BLOCK_B, num_warps=warps)
+        EVEN=N_out % BLOCK_N == 0 and K % BLOCK_K == 0 and B == BLOCK_B, PDL=_pdl(x, nvfp4), num_warps=warps,
+        launch_pdl=_pdl(x, nvfp4))
     return x_out, h_out, y
 
 
@@ -537,7 +581,7 @@ def _attention_decode_kernel(
     stride_qkv, stride_cb, stride_cs,
     # meta-parameters
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_Z: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_Z: tl.constexpr, PDL: tl.constexpr,
 ):
     b, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     R: tl.constexpr = H // G                                          # query heads per kv head
@@ -558,6 +602,7 @@ def _attention_decode_kernel(
         end = tl.minimum(start + chunk, S)
         kt1, kt2, vt = _kv_tile(k_cache_ptr, v_cache_ptr, cache_b, start + offs_s, start + offs_s < end,
                                 stride_cs, D)
+    _pdl_wait(PDL)                                                    # (the slots read are earlier steps')
     p = tl.load(pos_ptr + b)
 
     # ---- q of the R heads of group g and this token's k, v: per-head RMSNorm (shared weight), rounded, then
@@ -631,9 +676,11 @@ def _combine(m_ptr, l_ptr, acc_ptr, sinks_ptr, b, h, H: tl.constexpr, D: tl.cons
 
 @triton.jit
 def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, o_ptr,
-                              H: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                              H: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                              PDL: tl.constexpr):
     """Program (row b, head h): the attention output o [B, H * D] bf16."""
     b, h = tl.program_id(0), tl.program_id(1)
+    _pdl_wait(PDL)
     o = _combine(m_ptr, l_ptr, acc_ptr, sinks_ptr, b, h, H, D, NUM_SPLITS, SPLITS_PAD)
     tl.store(o_ptr + (b * H + h) * D + tl.arange(0, D), _to_bf16(o))
 
@@ -641,7 +688,7 @@ def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, o_ptr,
 @triton.jit
 def _attention_o_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, w_ptr, s_ptr, rs_ptr, out_ptr, C,
                         H: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                        NVFP4: tl.constexpr, BLOCK_N: tl.constexpr):
+                        NVFP4: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """Program (head h, block of o_proj rows, row b): head h's output, combined from the splits as
     _attention_combine_kernel does and rounded to bf16, times its D columns of those o_proj rows, added to out
     [B, C] in fixed point (_to_fixed): the 32 heads' shares sum exactly in any order, with no combine launch
@@ -659,6 +706,7 @@ def _attention_o_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, w_ptr, s_ptr, rs_ptr, 
     else:
         d = tl.arange(0, D)
         w = _load_f32(w_ptr + offs_n[:, None] * (H * D) + h * D + d[None, :], nmask[:, None])
+    _pdl_wait(PDL)
     o = _round_bf16(_combine(m_ptr, l_ptr, acc_ptr, sinks_ptr, b, h, H, D, NUM_SPLITS, SPLITS_PAD))
     if NVFP4:
         o_even, o_odd = tl.split(tl.reshape(o, [D // 2, 2]))
@@ -714,6 +762,7 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
     l = torch.empty_like(m)
     acc = torch.empty(B, H, NUM_SPLITS, D, device=qkv.device, dtype=torch.float32)
     fused = w_o is not None and ATTENTION_O[_weight_args(w_o)[3]] is not None and B <= O_FUSED_ROWS
+    pdl = _pdl(qkv, w_o is None or _weight_args(w_o)[3])          # (not in the GEMM path of 9 rows and up)
     if fused:
         wp, sp, rsp, nvfp4 = _weight_args(w_o)
         C = w_o.shape[0]
@@ -728,16 +777,18 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
         H=H, G=G, D=D, WINDOW=window, NUM_SPLITS=NUM_SPLITS,
         BLOCK_R=max(16, triton.next_power_of_2(H // G)), BLOCK_S=BLOCK_S,
-        BLOCK_Z=triton.next_power_of_2(triton.cdiv(C, G)) if C else 0, num_warps=warps, num_stages=t["stages"])
+        BLOCK_Z=triton.next_power_of_2(triton.cdiv(C, G)) if C else 0, PDL=pdl, num_warps=warps,
+        num_stages=t["stages"], launch_pdl=pdl)
     if not fused:
         o = torch.empty(B, H * D, device=qkv.device, dtype=torch.bfloat16)
         _attention_combine_kernel[(B, H)](m, l, acc, sinks, o, H=H, D=D, NUM_SPLITS=NUM_SPLITS, SPLITS_PAD=SPLITS_PAD,
-                                          num_warps=4)
+                                          PDL=pdl, num_warps=4, launch_pdl=pdl)
         return o if w_o is None else linear(o, w_o)
     BLOCK_N, warps = (16, 4) if INTERPRET else ATTENTION_O[nvfp4]
     _attention_o_kernel[(H, triton.cdiv(C, BLOCK_N), B)](
         m, l, acc, sinks, wp, sp, rsp, out, C,
-        H=H, D=D, NUM_SPLITS=NUM_SPLITS, SPLITS_PAD=SPLITS_PAD, NVFP4=nvfp4, BLOCK_N=BLOCK_N, num_warps=warps)
+        H=H, D=D, NUM_SPLITS=NUM_SPLITS, SPLITS_PAD=SPLITS_PAD, NVFP4=nvfp4, BLOCK_N=BLOCK_N, PDL=pdl,
+        num_warps=warps, launch_pdl=pdl)
     return out
 
 
@@ -845,21 +896,26 @@ def sink_attention(q, k, v, sinks, q_pos, k_pos, window):
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, dx_ptr, w_ptr, s_ptr, h_ptr, N, C, eps,
-                         ADD: tl.constexpr, BLOCK_C: tl.constexpr, EVEN: tl.constexpr):
+                         ADD: tl.constexpr, BLOCK_C: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
     """Program row: the residual add + RMSNorm that add_norm_linear's first program stores, for one row."""
     row = tl.program_id(0) + tl.arange(0, 1)
+    _pdl_wait(PDL)
     rstd = _row_rstd(x_ptr, dx_ptr, row, N, C, C, eps, ADD, 1, BLOCK_C, EVEN)
     _store_add_norm(x_ptr, dx_ptr, w_ptr, rstd, s_ptr, h_ptr, row, N, C, C, ADD, BLOCK_C, EVEN)
 
 
 def add_rms_norm(x, dx, w, eps):
     """x, dx [N, C] bf16 (dx may be None) -> (bf16(x + dx), rmsnorm(x + dx) * w), as add_rms_norm_ref."""
+    return _add_rms_norm(x, dx, w, eps, False)
+
+
+def _add_rms_norm(x, dx, w, eps, pdl):
     N, C = x.shape
     assert x.is_contiguous() and x.dtype == torch.bfloat16 and (dx is None or dx.is_contiguous())
     s, h = torch.empty_like(x), torch.empty_like(x)
     BLOCK_C = triton.next_power_of_2(C)
     _add_rms_norm_kernel[(N,)](x, x if dx is None else dx, w, s, h, N, C, eps, ADD=dx is not None,
-                               BLOCK_C=BLOCK_C, EVEN=BLOCK_C == C, num_warps=4)
+                               BLOCK_C=BLOCK_C, EVEN=BLOCK_C == C, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return s, h
 
 
@@ -1040,11 +1096,12 @@ def _moe_gate_up_kernel(
     I, S_W,
     # meta-parameters
     C: tl.constexpr, E: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr, NORM_TOPK: tl.constexpr,
-    NVFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHARED_FIRST: tl.constexpr,
+    NVFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHARED_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (row block, slot j, token b): slot j < A is the token's j-th routed expert, slot A the shared one;
     its gate and up rows are one [2, BLOCK_N] block of rows (gate rows n, up rows N + n)."""
     rb, j, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    _pdl_wait(PDL)                                                    # (the experts follow from the logits)
     if SHARED_FIRST:                                                  # (program slot 0 takes the shared expert)
         j = (j + A) % (A + 1)
     shared = j == A
@@ -1084,12 +1141,13 @@ def _moe_down_kernel(
     C, S_W,
     # meta-parameters
     I: tl.constexpr, A: tl.constexpr, J: tl.constexpr, J_PAD: tl.constexpr, NVFP4: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (row block, token b): out = bf16(bf16(sum_j w_j bf16(down_j act_j)) + bf16(down_s act_s)). Slots
     j < A are the routed experts, slots A .. J - 1 the shared expert's columns in chunks of I: all J weight tiles
     are loaded at once (one wait on memory), the shared chunks' fp32 sums added before its one rounding."""
     rb, b = tl.program_id(0), tl.program_id(1)
+    _pdl_wait(PDL)                                                    # (the experts come from the gate/up kernel)
     offs_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, J_PAD)
     routed = offs_j < A
@@ -1143,7 +1201,8 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
         h, logits, wp, sp, rsp, swp, ssp, srsp, act, ids, wts,
         I, S_W,
         C=C, E=E, A=top_k, A_PAD=triton.next_power_of_2(top_k), NORM_TOPK=norm_topk_prob, NVFP4=nvfp4,
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SHARED_FIRST=SHARED_FIRST[nvfp4], num_warps=warps)
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SHARED_FIRST=SHARED_FIRST[nvfp4], PDL=_pdl(h, nvfp4), num_warps=warps,
+        launch_pdl=_pdl(h, nvfp4))
     out = torch.empty_like(h)
     BLOCK_N, BLOCK_K, warps = tiles("moe_down", rows, nvfp4, I)
     assert C % BLOCK_N == 0 and I % BLOCK_K == 0, f"hidden size {C} or expert width {I} is not a multiple of the tile"
@@ -1152,7 +1211,7 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
         act, ids, wts, dwp, dsp, drsp, sdwp, sdsp, sdrsp, out,
         C, S_W,
         I=I, A=top_k, J=J, J_PAD=triton.next_power_of_2(J), NVFP4=nvfp4, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        num_warps=warps)
+        PDL=_pdl(h, nvfp4), num_warps=warps, launch_pdl=_pdl(h, nvfp4))
     return out
 
 

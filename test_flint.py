@@ -1336,12 +1336,13 @@ def compile_kernels_for_sm90():
                 aligned = isinstance(v, int) and v % 16 == 0
             if not param.is_constexpr and aligned:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-        options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
+        options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages", "launch_pdl")}
         triton.compile(triton.compiler.ASTSource(self, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                        options=options)
         built.append(self.__name__)
 
     JITFunction.run = compile_only
+    kernels._pdl = lambda t, nvfp4: True                                # the decode kernels with PDL, as on SM90
     cfg = flint.Config(rope_theta=1e4)
     C, H, G, D, E, A = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, 256, 6
     I, S, F_ = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.intermediate_size
