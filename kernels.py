@@ -491,12 +491,13 @@ def _launch_linear(x, dx, norm_w, w, eps, swiglu=False, f32=False):
     assert x.is_contiguous() and x.dtype == torch.bfloat16, "inputs must be contiguous bf16 rows"
     N_out = N // 2 if swiglu else N
     norm = norm_w is not None
+    pdl = _pdl(x, nvfp4)
     if norm and (B > 1 or N_out >= WIDE_N):
         # the norm in a launch of its own where every program would normalize much: 2-8 rows, or one row for the
         # lm_head's 37,536 programs (H200, 2026-12-03, us: qkv at batch 8 NVFP4 24.8 against 42.4, bf16 17.2 against
         # 25.5; router at batch 8 7.6 against 10.8; lm_head at batch 1 NVFP4 92.6 against 133.8, bf16 142.1 against
         # 146.0). One row of qkv or the router is faster normalized in every program (7.1 against 7.7, 2.7 against 3.8)
-        x_out, h_out = _add_rms_norm(x, dx, norm_w, eps, _pdl(x, nvfp4))
+        x_out, h_out = _add_rms_norm(x, dx, norm_w, eps, pdl)
         return x_out, h_out, _launch_linear(h_out, None, None, w, eps, swiglu, f32)[2]
     y = torch.empty(B, N_out, device=x.device, dtype=torch.float32 if f32 else torch.bfloat16)
     x_out = torch.empty_like(x) if norm else x
@@ -515,8 +516,7 @@ def _launch_linear(x, dx, norm_w, w, eps, swiglu=False, f32=False):
         x.stride(0), y.stride(0),
         K=K, ADD=dx is not None, NORM=norm, NVFP4=nvfp4, SWIGLU=swiglu, OUT_F32=f32,
         BLOCK_B=BLOCK_B, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        EVEN=N_out % BLOCK_N == 0 and K % BLOCK_K == 0 and B == BLOCK_B, PDL=_pdl(x, nvfp4), num_warps=warps,
-        launch_pdl=_pdl(x, nvfp4))
+        EVEN=N_out % BLOCK_N == 0 and K % BLOCK_K == 0 and B == BLOCK_B, PDL=pdl, num_warps=warps, launch_pdl=pdl)
     return x_out, h_out, y
 
 
@@ -1190,7 +1190,7 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
     dwp, dsp, drsp, d_nvfp4 = _weight_args(down)
     sdwp, sdsp, sdrsp, sd_nvfp4 = _weight_args(shared_down)
     assert nvfp4 == s_nvfp4 == d_nvfp4 == sd_nvfp4, "routed and shared experts must share one weight format"
-    rows = _block_b(B)
+    rows, pdl = _block_b(B), _pdl(h, nvfp4)
     BLOCK_N, BLOCK_K, warps = tiles("moe_gate_up", rows, nvfp4, C)
     assert C % BLOCK_K == 0 and I % BLOCK_N == 0 and S_W % BLOCK_N == 0 and S_W % I == 0 and I % 16 == 0, \
         f"the decode MoE kernels need even shapes: hidden {C}, expert width {I}, shared width {S_W}"
@@ -1201,8 +1201,8 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
         h, logits, wp, sp, rsp, swp, ssp, srsp, act, ids, wts,
         I, S_W,
         C=C, E=E, A=top_k, A_PAD=triton.next_power_of_2(top_k), NORM_TOPK=norm_topk_prob, NVFP4=nvfp4,
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SHARED_FIRST=SHARED_FIRST[nvfp4], PDL=_pdl(h, nvfp4), num_warps=warps,
-        launch_pdl=_pdl(h, nvfp4))
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SHARED_FIRST=SHARED_FIRST[nvfp4], PDL=pdl, num_warps=warps,
+        launch_pdl=pdl)
     out = torch.empty_like(h)
     BLOCK_N, BLOCK_K, warps = tiles("moe_down", rows, nvfp4, I)
     assert C % BLOCK_N == 0 and I % BLOCK_K == 0, f"hidden size {C} or expert width {I} is not a multiple of the tile"
@@ -1211,7 +1211,7 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
         act, ids, wts, dwp, dsp, drsp, sdwp, sdsp, sdrsp, out,
         C, S_W,
         I=I, A=top_k, J=J, J_PAD=triton.next_power_of_2(J), NVFP4=nvfp4, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        PDL=_pdl(h, nvfp4), num_warps=warps, launch_pdl=_pdl(h, nvfp4))
+        PDL=pdl, num_warps=warps, launch_pdl=pdl)
     return out
 
 
