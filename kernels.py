@@ -42,6 +42,7 @@ LOG2E = 1.4426950408889634                              # 1 / ln 2: softmax runs
 
 @functools.cache
 def _pdl_device(index):
+    """Whether CUDA device `index` has programmatic dependent launch (SM90 and newer)."""
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
@@ -766,7 +767,7 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
     l = torch.empty_like(m)
     acc = torch.empty(B, H, NUM_SPLITS, D, device=qkv.device, dtype=torch.float32)
     fused = w_o is not None and ATTENTION_O[_weight_args(w_o)[3]] is not None and B <= O_FUSED_ROWS
-    pdl = _pdl(qkv, w_o is None or _weight_args(w_o)[3])          # (not in the GEMM path of 9 rows and up)
+    pdl = w_o is not None and _pdl(qkv, _weight_args(w_o)[3])     # (none in the GEMM path: no o_proj here)
     if fused:
         wp, sp, rsp, nvfp4 = _weight_args(w_o)
         C = w_o.shape[0]
