@@ -337,7 +337,8 @@ def _row_rstd(x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD: tl.constexpr, BLO
 @triton.jit
 def _norm_rope(a, b, w_ptr, cos, sin, eps, D: tl.constexpr, ROPE: tl.constexpr):
     """Halves a, b [..., D/2] (dims d and d + D/2) of heads, fp32: RMS-normalized over each head with the shared
-    weight w and rounded, then (ROPE) NeoX-rotated by cos, sin [D/2] from the fp32 table and rounded again."""
+    weight w and rounded, then (ROPE) NeoX-rotated by cos, sin (fp32 table rows, [D/2] or a's shape) and rounded
+    again."""
     d = tl.arange(0, D // 2)
     rstd = tl.expand_dims(1.0 / tl.sqrt((tl.sum(a * a, -1) + tl.sum(b * b, -1)) / D + eps), -1)
     a = _round_bf16(a * rstd * tl.load(w_ptr + d).to(tl.float32))
@@ -900,13 +901,13 @@ def sink_attention(q, k, v, sinks, q_pos, k_pos, window):
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, dx_ptr, w_ptr, s_ptr, h_ptr, N, C, eps,
-                         ADD: tl.constexpr, BLOCK_C: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
-    """Program row: the residual add + RMSNorm that add_norm_linear's first program stores, for one row."""
-    row = tl.program_id(0) + tl.arange(0, 1)
+def _add_rms_norm_kernel(x_ptr, dx_ptr, w_ptr, s_ptr, h_ptr, N, C, eps, ADD: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_C: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
+    """Program (block of BLOCK_R rows): the residual add + RMSNorm that add_norm_linear's first program stores."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     _pdl_wait(PDL)
-    rstd = _row_rstd(x_ptr, dx_ptr, row, N, C, C, eps, ADD, 1, BLOCK_C, EVEN)
-    _store_add_norm(x_ptr, dx_ptr, w_ptr, rstd, s_ptr, h_ptr, row, N, C, C, ADD, BLOCK_C, EVEN)
+    rstd = _row_rstd(x_ptr, dx_ptr, rows, N, C, C, eps, ADD, BLOCK_R, BLOCK_C, EVEN)
+    _store_add_norm(x_ptr, dx_ptr, w_ptr, rstd, s_ptr, h_ptr, rows, N, C, C, ADD, BLOCK_C, EVEN)
 
 
 def add_rms_norm(x, dx, w, eps):
@@ -919,27 +920,30 @@ def _add_rms_norm(x, dx, w, eps, pdl):
     assert x.is_contiguous() and x.dtype == torch.bfloat16 and (dx is None or dx.is_contiguous())
     s, h = torch.empty_like(x), torch.empty_like(x)
     BLOCK_C = triton.next_power_of_2(C)
-    _add_rms_norm_kernel[(N,)](x, x if dx is None else dx, w, s, h, N, C, eps, ADD=dx is not None,
-                               BLOCK_C=BLOCK_C, EVEN=BLOCK_C == C, PDL=pdl, num_warps=4, launch_pdl=pdl)
+    BLOCK_R = min(16, triton.next_power_of_2(N)) if INTERPRET else 1  # (a row per program; fewer in the tests)
+    _add_rms_norm_kernel[(triton.cdiv(N, BLOCK_R),)](x, x if dx is None else dx, w, s, h, N, C, eps,
+                                                     ADD=dx is not None, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C,
+                                                     EVEN=BLOCK_C == C, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return s, h
 
 
 @triton.jit
-def _heads_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, n, stride_x, eps,
+def _heads_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, n, heads, stride_x, eps,
                             ROPE: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Program (row, block of heads): _norm_rope of the heads [n, D] of a row (stride_x apart), at the row's cos,
-    sin on sliding layers; y [rows, n, D]."""
+    """Program (block of BLOCK_H heads, counted row by row over the rows' n heads [D] each, stride_x apart):
+    _norm_rope of each head at its row's cos, sin on sliding layers; y [rows, n, D]."""
     HALF: tl.constexpr = D // 2
-    row = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    i = tl.program_id(0).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
+    row = i // n
     d = tl.arange(0, HALF)
-    mask = (heads < n)[:, None] & (d < HALF)[None, :]
-    lo = x_ptr + row * stride_x + heads[:, None] * D + d[None, :]
-    cos, sin = tl.zeros([HALF], dtype=tl.float32), tl.zeros([HALF], dtype=tl.float32)  # full: no RoPE
-    if ROPE:
-        cos, sin = tl.load(cos_ptr + row * HALF + d), tl.load(sin_ptr + row * HALF + d)
+    mask = (i < heads)[:, None] & (d < HALF)[None, :]
+    lo = x_ptr + row[:, None] * stride_x + (i % n)[:, None] * D + d[None, :]
+    cos, sin = tl.zeros([BLOCK_H, HALF], dtype=tl.float32), tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
+    if ROPE:                                                          # (full layers: none)
+        cos, sin = _load_f32(cos_ptr + row[:, None] * HALF + d[None, :], mask), \
+            _load_f32(sin_ptr + row[:, None] * HALF + d[None, :], mask)
     a, b = _norm_rope(_load_f32(lo, mask), _load_f32(lo + HALF, mask), w_ptr, cos, sin, eps, D, ROPE)
-    out = y_ptr + (row * n + heads[:, None]) * D + d[None, :]
+    out = y_ptr + i[:, None] * D + d[None, :]
     tl.store(out, _to_bf16(a), mask=mask)
     tl.store(out + HALF, _to_bf16(b), mask=mask)
 
@@ -951,11 +955,10 @@ def qk_norm_rope(q, k, q_norm, k_norm, cos, sin, eps):
         B, T, n, D = x.shape
         assert x.stride(0) == T * x.stride(1) and x.stride(2) == D and x.stride(3) == 1, "rows of packed heads"
         y = torch.empty(B, T, n, D, device=x.device, dtype=x.dtype)
-        BLOCK_H = min(8 if INTERPRET else 32, triton.next_power_of_2(n))   # (two blocks in the tests)
-        rope = cos is not None
-        _heads_norm_rope_kernel[(B * T, triton.cdiv(n, BLOCK_H))](
-            x, w, cos.contiguous() if rope else w, sin.contiguous() if rope else w, y, n, x.stride(1), eps,
-            ROPE=rope, D=D, BLOCK_H=BLOCK_H, num_warps=4)
+        BLOCK_H, rope = 32, cos is not None
+        _heads_norm_rope_kernel[(triton.cdiv(B * T * n, BLOCK_H),)](
+            x, w, cos.contiguous() if rope else w, sin.contiguous() if rope else w, y, n, B * T * n, x.stride(1),
+            eps, ROPE=rope, D=D, BLOCK_H=BLOCK_H, num_warps=4)
         out.append(y)
     return tuple(out)
 

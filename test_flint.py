@@ -1406,8 +1406,9 @@ def test_route_kernel(norm):
 
 def test_prompt_norm_kernels():
     """Prefill norms: residual add + RMSNorm rows (odd width, with and without the add), and per-head q/k RMSNorm
-    + RoPE on q/k views into qkv rows (10 heads: two head blocks, one partial), with and without RoPE. Each output
-    is the reference's, or one bf16 ulp from it (the kernels sum squares in another order)."""
+    + RoPE on q/k views into qkv rows (6 rows of 10 q heads: two blocks of 32 across rows, one partial), with and
+    without RoPE. Each output is the reference's, or one bf16 ulp from it (the kernels sum squares in another
+    order)."""
     def ulp_close(got, want):
         assert got.shape == want.shape and got.dtype == want.dtype
         err = (got.float() - want.float()).abs()
