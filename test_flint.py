@@ -4,6 +4,7 @@ CPU tests build tiny checkpoints themselves (no weights are downloaded); GPU tes
 Run: python -m pytest -q test_flint.py
 """
 # ruff: noqa: E402 (TRITON_INTERPRET must be set before triton is imported)
+import concurrent.futures
 import copy
 import json
 import os
@@ -1319,7 +1320,8 @@ def compile_kernels_for_sm90():
     assert not kernels.INTERPRET
     types = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv",
              torch.int32: "i32", torch.int64: "i64"}
-    built = []
+    built, builds = [], []
+    pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count())     # (ptxas runs apart from the GIL)
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         values = dict(zip(self.arg_names, args), **{k: v for k, v in kwargs.items() if k in self.arg_names})
@@ -1337,8 +1339,8 @@ def compile_kernels_for_sm90():
             if not param.is_constexpr and aligned:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages", "launch_pdl")}
-        triton.compile(triton.compiler.ASTSource(self, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                       options=options)
+        builds.append(pool.submit(triton.compile, triton.compiler.ASTSource(self, sig, consts, attrs),
+                                  target=GPUTarget("cuda", 90, 32), options=options))
         built.append(self.__name__)
 
     JITFunction.run = compile_only
@@ -1373,6 +1375,8 @@ def compile_kernels_for_sm90():
     kernels.add_rms_norm(bf(256, C), bf(256, C), bf(C), 1e-6)
     q, k, _ = bf(1, 256, H + 2 * G, D).split([H, G, G], dim=2)
     kernels.qk_norm_rope(q, k, bf(D), bf(D), cos[None, :256], sin[None, :256], 1e-6)
+    for b in builds:
+        b.result()                                                      # (raises a kernel's build error)
     return built
 
 
