@@ -1377,6 +1377,7 @@ def compile_kernels_for_sm90():
     kernels.qk_norm_rope(q, k, bf(D), bf(D), cos[None, :256], sin[None, :256], 1e-6)
     for b in builds:
         b.result()                                                      # (raises a kernel's build error)
+    pool.shutdown()
     return built
 
 
