@@ -767,10 +767,10 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
     m = torch.empty(B, H, NUM_SPLITS, device=qkv.device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(B, H, NUM_SPLITS, D, device=qkv.device, dtype=torch.float32)
-    fused = w_o is not None and ATTENTION_O[_weight_args(w_o)[3]] is not None and B <= O_FUSED_ROWS
-    pdl = w_o is not None and _pdl(qkv, _weight_args(w_o)[3])     # (none in the GEMM path: no o_proj here)
+    wp, sp, rsp, nvfp4 = _weight_args(w_o) if w_o is not None else (None, None, None, False)
+    fused = w_o is not None and ATTENTION_O[nvfp4] is not None and B <= O_FUSED_ROWS
+    pdl = w_o is not None and _pdl(qkv, nvfp4)                       # (none in the GEMM path: no o_proj here)
     if fused:
-        wp, sp, rsp, nvfp4 = _weight_args(w_o)
         C = w_o.shape[0]
         assert w_o.shape[1] == H * D, f"o_proj {tuple(w_o.shape)} does not take {H} heads of {D}"
         out = torch.empty(B, C, device=qkv.device, dtype=torch.int64)  # zeroed by the attention kernel
