@@ -246,11 +246,13 @@ def _put_row(acc, part, offs_b, b):
 
 
 @triton.jit
-def _rstd_first(rstd, k0, x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD: tl.constexpr, BLOCK_B: tl.constexpr,
-                BLOCK_K: tl.constexpr, EVEN: tl.constexpr, RSTD: tl.constexpr):
-    """rstd, computed (RSTD) in the first step of a GEMV's loop, after its first weight loads in program order."""
-    if RSTD:
-        if k0 == 0:
+def _first_step(rstd, k0, x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD: tl.constexpr, BLOCK_B: tl.constexpr,
+                BLOCK_K: tl.constexpr, EVEN: tl.constexpr, RSTD: tl.constexpr, PDL: tl.constexpr):
+    """In the first step of a GEMV's loop, after its first weight loads in program order: wait for the kernel before
+    (PDL), then compute rstd (RSTD). Returns rstd."""
+    if k0 == 0:
+        _pdl_wait(PDL)
+        if RSTD:
             rstd = _row_rstd(x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD, BLOCK_B, BLOCK_K, EVEN)
     return rstd
 
@@ -283,9 +285,8 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
                            mask=nmask[None, None, :] & _below(jb, K // 2, EVEN), other=0)
             hs = k0 // 16 + hh[:, None] // 2
             sc = _load_f32(s_ptr + offs_n[None, :] * (K // 16) + hs, nmask[None, :] & _below(hs, K // 16, EVEN))
-            if k0 == 0:
-                _pdl_wait(PDL)
-            rstd = _rstd_first(rstd, k0, x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD, BLOCK_B, BLOCK_K, EVEN, RSTD)
+            rstd = _first_step(rstd, k0, x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD, BLOCK_B, BLOCK_K, EVEN, RSTD,
+                               PDL)
             w_lo, w_hi = _e2m1_pair(byte)
             for b in tl.static_range(BLOCK_B):
                 rstd_b = tl.sum(tl.where(offs_b == b, rstd, 0.0), 0)
@@ -303,9 +304,8 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
         for k0 in tl.static_range(0, K, BLOCK_K):
             wmask = nmask[:, None] & _below(k0 + offs_k[None, :], K, EVEN)
             w = _load_f32(w_ptr + offs_n[:, None] * K + k0 + offs_k[None, :], wmask)
-            if k0 == 0:
-                _pdl_wait(PDL)
-            rstd = _rstd_first(rstd, k0, x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD, BLOCK_B, BLOCK_K, EVEN, RSTD)
+            rstd = _first_step(rstd, k0, x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD, BLOCK_B, BLOCK_K, EVEN, RSTD,
+                               PDL)
             if DOT:
                 x = _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, k0 + offs_k, B, K, stride_b, ADD, NORM, EVEN)
                 acc = _dot(acc, x, w)
