@@ -50,25 +50,34 @@ def _pdl_device(index):
 # H200, 2026-12-04, two alternated rounds (.dev/pdl_ab.py, tok/s without -> with): bf16 batch 1 at 512 430.1 / 440.1
 # -> 451.1 / 463.6, at 32K 389.9 / 391.0 -> 401.3 / 402.3, batch 8 1029.3 / 1044.2 -> 1031.1 / 1036.9; NVFP4 slower,
 # batch 1 at 512 557.9 / 580.7 -> 533.6 / 532.8, at 32K 472.5 / 490.1 -> 445.3 / 445.3, batch 8 1122.7 / 1127.2 ->
-# 1117.5 / 1121.9, so NVFP4 weights keep plain launches
+# 1117.5 / 1121.9, so NVFP4 weights keep plain launches (nor did any one kernel group gain: H100, 2026-12-05, README).
+# One row lets the next kernel launch before the wait (PDL 2): H100, 2026-12-05, bf16 whole steps, two alternated
+# rounds (.dev/pdl_ab.py, tok/s after -> before the wait): batch 1 at 512 388.3 / 384.9 -> 398.5 / 394.0, at 32K
+# 334.8 / 338.8 -> 349.7 / 349.6; batch 2 560.4 / 562.3 -> 559.1 / 560.4, batch 8 885.2 / 888.1 -> 851.4 / 850.5
 PDL = {False: True, True: False}
 
 
 def _pdl(t, nvfp4):
-    """Whether the decode kernels reading tensor t (weights NVFP4 or not) take programmatic dependent launch: by
-    format (PDL), on SM90 and newer GPUs."""
-    return PDL[nvfp4] and not INTERPRET and t.is_cuda and _pdl_device(t.device.index)
+    """How the decode kernels reading the rows of tensor t (weights NVFP4 or not) launch, as _pdl_wait's PDL: by
+    format (PDL), on SM90 and newer GPUs; one row early (2), more after their wait (1); else plainly (0)."""
+    if not (PDL[nvfp4] and not INTERPRET and t.is_cuda and _pdl_device(t.device.index)):
+        return 0
+    return 2 if t.shape[0] == 1 else 1
 
 
 @triton.jit
 def _pdl_wait(PDL: tl.constexpr):
-    """Programmatic dependent launch (PDL): a kernel launched with it may start while the kernel before it still
-    runs, so its programs first load what no kernel of the step writes (weights, earlier steps' cache slots), then
-    wait here until that kernel has finished and its writes are visible, before reading any activation and before
-    writing anything. Only then do they let the next kernel launch, so at most two kernels run at once and all
-    before the one running have finished."""
-    if PDL:
+    """Programmatic dependent launch (PDL 1 or 2): a kernel launched with it may start while the kernel before it
+    still runs, so its programs first load what no kernel of the step writes (weights, earlier steps' cache slots),
+    then wait here until that kernel has finished and its writes are visible, before reading any activation and
+    before writing anything. They let the next kernel launch after the wait (1: at most two kernels run at once, and
+    all before the one running have finished) or just before it (2: the next may then load its weights while this
+    one waits too; its own wait still orders it after this kernel, which finishes after the one before)."""
+    if PDL == 2:
+        gdc_launch_dependents()
+    if PDL > 0:
         gdc_wait()
+    if PDL == 1:
         gdc_launch_dependents()
 
 
@@ -522,7 +531,8 @@ def _launch_linear(x, dx, norm_w, w, eps, swiglu=False, f32=False):
         x.stride(0), y.stride(0),
         K=K, ADD=dx is not None, NORM=norm, NVFP4=nvfp4, SWIGLU=swiglu, OUT_F32=f32,
         BLOCK_B=BLOCK_B, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        EVEN=N_out % BLOCK_N == 0 and K % BLOCK_K == 0 and B == BLOCK_B, PDL=pdl, num_warps=warps, launch_pdl=pdl)
+        EVEN=N_out % BLOCK_N == 0 and K % BLOCK_K == 0 and B == BLOCK_B, PDL=pdl, num_warps=warps,
+        launch_pdl=pdl > 0)
     return x_out, h_out, y
 
 
@@ -769,7 +779,7 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
     acc = torch.empty(B, H, NUM_SPLITS, D, device=qkv.device, dtype=torch.float32)
     wp, sp, rsp, nvfp4 = _weight_args(w_o) if w_o is not None else (None, None, None, False)
     fused = w_o is not None and ATTENTION_O[nvfp4] is not None and B <= O_FUSED_ROWS
-    pdl = w_o is not None and _pdl(qkv, nvfp4)                       # (none in the GEMM path: no o_proj here)
+    pdl = _pdl(qkv, nvfp4) if w_o is not None else 0                 # (none in the GEMM path: no o_proj here)
     if fused:
         C = w_o.shape[0]
         assert w_o.shape[1] == H * D, f"o_proj {tuple(w_o.shape)} does not take {H} heads of {D}"
@@ -784,17 +794,17 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
         H=H, G=G, D=D, WINDOW=window, NUM_SPLITS=NUM_SPLITS,
         BLOCK_R=max(16, triton.next_power_of_2(H // G)), BLOCK_S=BLOCK_S,
         BLOCK_Z=triton.next_power_of_2(triton.cdiv(C, G)) if C else 0, PDL=pdl, num_warps=warps,
-        num_stages=t["stages"], launch_pdl=pdl)
+        num_stages=t["stages"], launch_pdl=pdl > 0)
     if not fused:
         o = torch.empty(B, H * D, device=qkv.device, dtype=torch.bfloat16)
         _attention_combine_kernel[(B, H)](m, l, acc, sinks, o, H=H, D=D, NUM_SPLITS=NUM_SPLITS, SPLITS_PAD=SPLITS_PAD,
-                                          PDL=pdl, num_warps=4, launch_pdl=pdl)
+                                          PDL=pdl, num_warps=4, launch_pdl=pdl > 0)
         return o if w_o is None else linear(o, w_o)
     BLOCK_N, warps = (16, 4) if INTERPRET else ATTENTION_O[nvfp4]
     _attention_o_kernel[(H, triton.cdiv(C, BLOCK_N), B)](
         m, l, acc, sinks, wp, sp, rsp, out, C,
         H=H, D=D, NUM_SPLITS=NUM_SPLITS, SPLITS_PAD=SPLITS_PAD, NVFP4=nvfp4, BLOCK_N=BLOCK_N, PDL=pdl,
-        num_warps=warps, launch_pdl=pdl)
+        num_warps=warps, launch_pdl=pdl > 0)
     return out
 
 
@@ -912,7 +922,7 @@ def _add_rms_norm_kernel(x_ptr, dx_ptr, w_ptr, s_ptr, h_ptr, N, C, eps, ADD: tl.
 
 def add_rms_norm(x, dx, w, eps):
     """x, dx [N, C] bf16 (dx may be None) -> (bf16(x + dx), rmsnorm(x + dx) * w), as add_rms_norm_ref."""
-    return _add_rms_norm(x, dx, w, eps, False)
+    return _add_rms_norm(x, dx, w, eps, 0)
 
 
 def _add_rms_norm(x, dx, w, eps, pdl):
@@ -923,7 +933,7 @@ def _add_rms_norm(x, dx, w, eps, pdl):
     BLOCK_R = min(16, triton.next_power_of_2(N)) if INTERPRET else 1  # (a row per program; fewer in the tests)
     _add_rms_norm_kernel[(triton.cdiv(N, BLOCK_R),)](x, x if dx is None else dx, w, s, h, N, C, eps,
                                                      ADD=dx is not None, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C,
-                                                     EVEN=BLOCK_C == C, PDL=pdl, num_warps=4, launch_pdl=pdl)
+                                                     EVEN=BLOCK_C == C, PDL=pdl, num_warps=4, launch_pdl=pdl > 0)
     return s, h
 
 
@@ -1210,7 +1220,7 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
         I, S_W,
         C=C, E=E, A=top_k, A_PAD=triton.next_power_of_2(top_k), NORM_TOPK=norm_topk_prob, NVFP4=nvfp4,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SHARED_FIRST=SHARED_FIRST[nvfp4], PDL=pdl, num_warps=warps,
-        launch_pdl=pdl)
+        launch_pdl=pdl > 0)
     out = torch.empty_like(h)
     BLOCK_N, BLOCK_K, warps = tiles("moe_down", rows, nvfp4, I)
     assert C % BLOCK_N == 0 and I % BLOCK_K == 0, f"hidden size {C} or expert width {I} is not a multiple of the tile"
@@ -1219,7 +1229,7 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
         act, ids, wts, dwp, dsp, drsp, sdwp, sdsp, sdrsp, out,
         C, S_W,
         I=I, A=top_k, J=J, J_PAD=triton.next_power_of_2(J), NVFP4=nvfp4, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        PDL=pdl, num_warps=warps, launch_pdl=pdl)
+        PDL=pdl, num_warps=warps, launch_pdl=pdl > 0)
     return out
 
 
