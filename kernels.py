@@ -57,12 +57,16 @@ def _pdl_device(index):
 PDL = {False: True, True: False}
 
 
+def _pdl_on(t, nvfp4):
+    """Whether the decode kernels reading tensor t (weights NVFP4 or not) take programmatic dependent launch: by
+    format (PDL), on SM90 and newer GPUs."""
+    return PDL[nvfp4] and not INTERPRET and t.is_cuda and _pdl_device(t.device.index)
+
+
 def _pdl(t, nvfp4):
-    """How the decode kernels reading the rows of tensor t (weights NVFP4 or not) launch, as _pdl_wait's PDL: by
-    format (PDL), on SM90 and newer GPUs; one row early (2), more after their wait (1); else plainly (0)."""
-    if not (PDL[nvfp4] and not INTERPRET and t.is_cuda and _pdl_device(t.device.index)):
-        return 0
-    return 2 if t.shape[0] == 1 else 1
+    """_pdl_wait's PDL for the decode kernels reading the rows of t: one row launches the next kernel before its
+    wait (2), more rows after it (1); 0 without PDL (_pdl_on)."""
+    return (2 if t.shape[0] == 1 else 1) if _pdl_on(t, nvfp4) else 0
 
 
 @triton.jit

@@ -1344,7 +1344,7 @@ def compile_kernels_for_sm90():
         built.append(self.__name__)
 
     JITFunction.run = compile_only
-    kernels._pdl = lambda t, nvfp4: 2 if t.shape[0] == 1 else 1        # the decode kernels with PDL, as on SM90
+    kernels._pdl_on = lambda t, nvfp4: True                             # the decode kernels with PDL, as on SM90
     cfg = flint.Config(rope_theta=1e4)
     C, H, G, D, E, A = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, 256, 6
     I, S, F_ = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.intermediate_size
