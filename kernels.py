@@ -409,7 +409,10 @@ def _block_b(B, dot=False):
 # One-warp tiles, swept then for the first time (.dev/warp1.py): only the NVFP4 lm_head gained, 75.3-76.1 us with (4,
 # 256, 1) against 85.5-85.8 with (8, 1024, 2); qkv, router, o_proj and the NVFP4 attention + o_proj were fastest as
 # kept; the bf16 MoE at batch 1 gained (.dev/bfmoe.py): gate/up (2, 256, 1) with down (1, 512, 2) 17.88-17.92 against
-# 18.38-18.60. Swept again after _ranked (.dev/moe_tiles3.py, 8 NVFP4 pairs at batch 1): unchanged.
+# 18.38-18.60. Swept again after _ranked (.dev/moe_tiles3.py, 8 NVFP4 pairs at batch 1): unchanged. bf16 gate/up at
+# batch 1 takes two warps since its shared expert's weights load before the PDL wait, all at once (_rows_dot's WAIT;
+# (2, 256, 1) then spills: 255 registers): H200, 2026-12-05 (.dev/rs_ab.py), router + experts us per layer over the
+# 47 MoE layers 19.78-20.37 against 20.53-20.57, (1, 256, 2) 20.18-20.67.
 TILES = {
     # kernel      rows  nvfp4
     ("gemv",         1, False): (2, 4096, 8),
@@ -424,7 +427,7 @@ TILES = {
     ("gemv_wide",    8, False): (8, 2048, 4),
     ("gemv_wide",    8, True): (8, 512, 2),
     ("gemv_wide",   16, False): (16, 256, 4),
-    ("moe_gate_up",  1, False): (2, 256, 1),
+    ("moe_gate_up",  1, False): (2, 256, 2),
     ("moe_gate_up",  1, True): (1, 256, 1),
     ("moe_gate_up",  8, False): (8, 1024, 4),
     ("moe_gate_up",  8, True): (8, 128, 4),
@@ -1077,13 +1080,16 @@ def _chain4(a, x, b, y):
 
 
 @triton.jit
-def _rows_dot(x_rows, w_rows, s_rows, K: tl.constexpr, NVFP4: tl.constexpr, BLOCK_K: tl.constexpr):
+def _rows_dot(x_rows, w_rows, s_rows, K: tl.constexpr, NVFP4: tl.constexpr, BLOCK_K: tl.constexpr,
+              WAIT: tl.constexpr = 0):
     """acc[i, n] = input row x_rows[i] . weight row w_rows[i, n] over all K (pointer tensors [I, 1] and [I, N]:
     the rows' starts; s_rows: the e4m3 scale rows of NVFP4 weights, whose row scale is left to the caller), fp32.
     K is unrolled, products accumulate elementwise and are reduced once at the end: every weight load of the
     program is issued before its one reduction, so a decode program waits on memory once, not once per expert and
-    step. The shapes must be even (BLOCK_K divides K): no masks."""
+    step. The shapes must be even (BLOCK_K divides K): no masks. WAIT: a PDL wait (_pdl_wait) before the inputs
+    are read; bf16 weights are then all loaded before it, in one [rows, K] tile."""
     if NVFP4:
+        _pdl_wait(WAIT)
         # byte j of a row holds elements 2j (low nibble) and 2j + 1 (high), read against one int32 of the input (two
         # bf16). Tiles are [words of 8 codes along K, *rows, their 4 bytes]: after the bytes (one 4-byte load per
         # thread and row) threads go along K, so once BLOCK_K / 8 covers the program's threads, every thread holds
@@ -1102,6 +1108,11 @@ def _rows_dot(x_rows, w_rows, s_rows, K: tl.constexpr, NVFP4: tl.constexpr, BLOC
             w_lo, w_hi = _e2m1_pair(byte)
             acc += _chain4(w_lo, x_even, w_hi, x_odd) * sc
         return tl.sum(acc, 0) * 16384.0
+    if WAIT > 0:
+        offs = tl.arange(0, K)[None, None, :]
+        w = tl.load(w_rows[:, :, None] + offs)
+        _pdl_wait(WAIT)
+        return tl.sum(w.to(tl.float32) * tl.load(x_rows[:, :, None] + offs).to(tl.float32), 2)
     offs_k = tl.arange(0, BLOCK_K)[None, None, :]
     acc = tl.zeros([w_rows.shape[0], w_rows.shape[1], BLOCK_K], dtype=tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):
@@ -1121,9 +1132,12 @@ def _moe_gate_up_kernel(
     NVFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHARED_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (row block, slot j, token b): slot j < A is the token's j-th routed expert, slot A the shared one;
-    its gate and up rows are one [2, BLOCK_N] block of rows (gate rows n, up rows N + n)."""
+    its gate and up rows are one [2, BLOCK_N] block of rows (gate rows n, up rows N + n). With one row (PDL 2) the
+    shared expert's programs load their weights before the PDL wait, while the router still runs."""
     rb, j, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    _pdl_wait(PDL)                                                    # (the experts follow from the logits)
+    EARLY: tl.constexpr = PDL == 2
+    if not EARLY:
+        _pdl_wait(PDL)                                                # (the experts follow from the logits)
     if SHARED_FIRST:                                                  # (program slot 0 takes the shared expert)
         j = (j + A) % (A + 1)
     shared = j == A
@@ -1131,6 +1145,8 @@ def _moe_gate_up_kernel(
     if rb * BLOCK_N < N:
         e = tl.full([], 0, tl.int64)
         if j < A:                                                     # (the shared expert's loads need no routing)
+            if EARLY:
+                _pdl_wait(PDL)
             if (rb == 0) & (j == 0):                                  # one program records the routing
                 ids, wts = _route(logits_ptr, b, E, A, A_PAD, NORM_TOPK)
                 offs_a = tl.arange(0, A_PAD)
@@ -1143,7 +1159,7 @@ def _moe_gate_up_kernel(
         s_rows = tl.where(shared, ss_ptr, s_ptr) + rows * (C // 16)
         x_rows = h_ptr + b * C + tl.zeros([1, 1], dtype=tl.int64)
         row_scale = tl.load(tl.where(shared, srs_ptr, rs_ptr) + rows) if NVFP4 else 1.0   # (loads first: one wait)
-        acc = _rows_dot(x_rows, w_rows, s_rows, C, NVFP4, BLOCK_K) * row_scale
+        acc = _rows_dot(x_rows, w_rows, s_rows, C, NVFP4, BLOCK_K, PDL if EARLY else 0) * row_scale
         is_gate = tl.arange(0, 2)[:, None] == 0
         g = tl.sum(tl.where(is_gate, acc, 0.0), 0)
         u = tl.sum(tl.where(is_gate, 0.0, acc), 0)
