@@ -412,7 +412,11 @@ def _block_b(B, dot=False):
 # 18.38-18.60. Swept again after _ranked (.dev/moe_tiles3.py, 8 NVFP4 pairs at batch 1): unchanged. bf16 gate/up at
 # batch 1 takes two warps since its shared expert's weights load before the PDL wait, all at once (_rows_dot's WAIT;
 # (2, 256, 1) then spills: 255 registers): H200, 2026-12-05 (.dev/rs_ab.py), router + experts us per layer over the
-# 47 MoE layers 19.78-20.37 against 20.53-20.57, (1, 256, 2) 20.18-20.67.
+# 47 MoE layers 19.78-20.37 against 20.53-20.57, (1, 256, 2) 20.18-20.67. bf16 down at batch 1 takes one warp since
+# it routes the token and loads its weights before the PDL wait (H100, 2026-12-05, .dev/dr_ab.py, 25 layers, router
+# + experts us per layer / whole steps at 512 tok/s, four alternated rounds): (1, 512, 1) 21.05-22.20 / 688-731
+# against (1, 512, 2) 22.04-23.70 / 709-712, (2, 512, 1) and (2, 512, 2) no faster; the recorded experts read after
+# the wait (before) 23.52-24.07 / 677-716, with (1, 512, 1) 22.96-23.51 / 677-691.
 TILES = {
     # kernel      rows  nvfp4
     ("gemv",         1, False): (2, 4096, 8),
@@ -431,7 +435,7 @@ TILES = {
     ("moe_gate_up",  1, True): (1, 256, 1),
     ("moe_gate_up",  8, False): (8, 1024, 4),
     ("moe_gate_up",  8, True): (8, 128, 4),
-    ("moe_down",     1, False): (1, 512, 2),
+    ("moe_down",     1, False): (1, 512, 1),
     ("moe_down",     1, True): (1, 256, 1),
     ("moe_down",     8, False): (4, 512, 4),
     ("moe_down",     8, True): (1, 256, 1),
@@ -995,9 +999,10 @@ def _ordered(bits):
 def _route_keys(logits_ptr, b, E: tl.constexpr):
     """Token b's E router logits as int32 keys that order like the logits and are distinct: the bf16 logit's bits
     in the upper half (made to order like the values: a negative one's magnitude bits flipped, -0 taken as +0),
-    0xFFFF - expert in the lower half (ties: lowest index first)."""
+    0xFFFF - expert in the lower half (ties: lowest index first). Read from L2 (.cg): the decode MoE down kernel
+    reads them while the kernel before it still runs (_moe_down_kernel)."""
     offs_e = tl.arange(0, E)
-    r = tl.load(logits_ptr + b * E + offs_e).to(tl.float32)
+    r = tl.load(logits_ptr + b * E + offs_e, cache_modifier=".cg").to(tl.float32)
     bits = tl.where(r == 0.0, 0.0, r).to(tl.int32, bitcast=True)    # a bf16: the lower 16 bits are zero
     return _ordered(bits) | (0xFFFF - offs_e)
 
@@ -1133,7 +1138,9 @@ def _moe_gate_up_kernel(
 ):
     """Program (row block, slot j, token b): slot j < A is the token's j-th routed expert, slot A the shared one;
     its gate and up rows are one [2, BLOCK_N] block of rows (gate rows n, up rows N + n). With one row (PDL 2) the
-    shared expert's programs load their weights before the PDL wait, while the router still runs."""
+    shared expert's programs load their weights before the PDL wait, while the router still runs, and the routed
+    ones let the down kernel launch only after their wait: it routes the token itself from the router's logits,
+    which are then written (_moe_down_kernel). Otherwise one program records the routing for it."""
     rb, j, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     EARLY: tl.constexpr = PDL == 2
     if not EARLY:
@@ -1146,8 +1153,8 @@ def _moe_gate_up_kernel(
         e = tl.full([], 0, tl.int64)
         if j < A:                                                     # (the shared expert's loads need no routing)
             if EARLY:
-                _pdl_wait(PDL)
-            if (rb == 0) & (j == 0):                                  # one program records the routing
+                _pdl_wait(1)                                          # (wait, then let the down kernel launch)
+            elif (rb == 0) & (j == 0):                                # one program records the routing
                 ids, wts = _route(logits_ptr, b, E, A, A_PAD, NORM_TOPK)
                 offs_a = tl.arange(0, A_PAD)
                 tl.store(ids_ptr + b * A + offs_a, ids, mask=offs_a < A)
@@ -1174,22 +1181,30 @@ def _moe_gate_up_kernel(
 @triton.jit
 def _moe_down_kernel(
     # pointers
-    act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, rs_ptr, sw_ptr, ss_ptr, srs_ptr, out_ptr,
+    act_ptr, logits_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, rs_ptr, sw_ptr, ss_ptr, srs_ptr, out_ptr,
     # sizes
     C, S_W,
     # meta-parameters
-    I: tl.constexpr, A: tl.constexpr, J: tl.constexpr, J_PAD: tl.constexpr, NVFP4: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    I: tl.constexpr, E: tl.constexpr, A: tl.constexpr, J: tl.constexpr, J_PAD: tl.constexpr,
+    NORM_TOPK: tl.constexpr, NVFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (row block, token b): out = bf16(bf16(sum_j w_j bf16(down_j act_j)) + bf16(down_s act_s)). Slots
     j < A are the routed experts, slots A .. J - 1 the shared expert's columns in chunks of I: all J weight tiles
-    are loaded at once (one wait on memory), the shared chunks' fp32 sums added before its one rounding."""
+    are loaded at once (one wait on memory), the shared chunks' fp32 sums added before its one rounding. The
+    experts come from the gate/up kernel's record, or with one row (PDL 2) from routing the token here, before the
+    PDL wait, so that the weight loads go first: the router finished before this kernel launched."""
     rb, b = tl.program_id(0), tl.program_id(1)
-    _pdl_wait(PDL)                                                    # (the experts come from the gate/up kernel)
+    EARLY: tl.constexpr = PDL == 2
+    if not EARLY:
+        _pdl_wait(PDL)                                                # (the experts come from the gate/up kernel)
     offs_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, J_PAD)
     routed = offs_j < A
-    e = tl.load(ids_ptr + b * A + offs_j, mask=routed, other=0).to(tl.int64)
+    if EARLY:
+        e, w = _route(logits_ptr, b, E, A, J_PAD, NORM_TOPK)
+        e = e.to(tl.int64)
+    else:
+        e = tl.load(ids_ptr + b * A + offs_j, mask=routed, other=0).to(tl.int64)
     chunk = tl.where(routed, 0, tl.minimum(offs_j, J - 1) - A)        # shared chunk (padding slots: the last,
     real = (offs_j < J)[:, None]                                      # weighted 0)
     ROW_BYTES: tl.constexpr = I // 2 if NVFP4 else I
@@ -1200,8 +1215,9 @@ def _moe_down_kernel(
                       ss_ptr + rows * (S_W // 16) + chunk[:, None] * (I // 16))
     x_rows = act_ptr + (b * (A + 1) + tl.minimum(offs_j, A)[:, None]) * tl.maximum(I, S_W) + chunk[:, None] * I
     row_scale = tl.load(tl.where(routed[:, None], rs_ptr, srs_ptr) + rows) if NVFP4 else 1.0
-    w = tl.load(wts_ptr + b * A + offs_j, mask=routed, other=0.0)    # (loads first: one wait)
-    y = _rows_dot(x_rows, w_rows, s_rows, I, NVFP4, BLOCK_K) * row_scale
+    if not EARLY:
+        w = tl.load(wts_ptr + b * A + offs_j, mask=routed, other=0.0)    # (loads first: one wait)
+    y = _rows_dot(x_rows, w_rows, s_rows, I, NVFP4, BLOCK_K, PDL if EARLY else 0) * row_scale
     routed_sum = tl.sum(tl.where(routed[:, None], w[:, None] * _round_bf16(y), 0.0), 0)   # y_e is bf16
     shared_sum = tl.sum(tl.where(routed[:, None] | ~real, 0.0, y), 0)
     out = _round_bf16(routed_sum) + _round_bf16(shared_sum)
@@ -1246,10 +1262,10 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
     assert C % BLOCK_N == 0 and I % BLOCK_K == 0, f"hidden size {C} or expert width {I} is not a multiple of the tile"
     J = top_k + S_W // I
     _moe_down_kernel[(C // BLOCK_N, B)](
-        act, ids, wts, dwp, dsp, drsp, sdwp, sdsp, sdrsp, out,
+        act, logits, ids, wts, dwp, dsp, drsp, sdwp, sdsp, sdrsp, out,
         C, S_W,
-        I=I, A=top_k, J=J, J_PAD=triton.next_power_of_2(J), NVFP4=nvfp4, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        PDL=pdl, num_warps=warps, launch_pdl=pdl > 0)
+        I=I, E=E, A=top_k, J=J, J_PAD=triton.next_power_of_2(J), NORM_TOPK=norm_topk_prob, NVFP4=nvfp4,
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PDL=pdl, num_warps=warps, launch_pdl=pdl > 0)
     return out
 
 

@@ -26,6 +26,7 @@ import gguf
 import numpy as np
 import pytest
 import tokenizers
+import triton
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
@@ -1281,12 +1282,24 @@ def test_sink_attention_kernel_random(seed):
     check_sink_attention((0, 3, 9)[r(3)], G * (1, 2, 4)[r(3)], G, 1 + r(48), [r(60) for _ in range(1 + r(3))], seed)
 
 
-@pytest.mark.parametrize("B", [1, 3])
+@triton.jit
+def _no_pdl():
+    """Stands in for the PDL instructions in Triton's interpreter, which has none."""
+    pass
+
+
+@pytest.mark.parametrize("B, pdl", [(1, 0), (3, 0), (1, 2)])
 @pytest.mark.parametrize("nvfp4", [False, True])
 @pytest.mark.parametrize("chunk", [None, 16])
-def test_moe_experts_kernel(B, nvfp4, chunk, monkeypatch):
-    """chunk: rows read 16 elements at a time (4 steps of gate/up, 2 of down) instead of whole."""
+def test_moe_experts_kernel(B, pdl, nvfp4, chunk, monkeypatch):
+    """chunk: rows read 16 elements at a time (4 steps of gate/up, 2 of down) instead of whole. pdl 2: one row as
+    bf16 weights take it on SM90, where the down kernel routes the token itself (the launch order is the GPU's)."""
     E, A, C, I, S = 8, 3, 64, 32, 64
+    if pdl:
+        monkeypatch.setattr(kernels, "_pdl", lambda t, nvfp4: pdl)
+        if kernels.INTERPRET:
+            monkeypatch.setattr(kernels, "gdc_wait", _no_pdl)
+            monkeypatch.setattr(kernels, "gdc_launch_dependents", _no_pdl)
     if chunk:
         tiles = kernels.tiles
         monkeypatch.setattr(kernels, "tiles", lambda *a: (tiles(*a)[0], chunk, tiles(*a)[2]))
