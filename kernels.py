@@ -413,7 +413,7 @@ def _block_b(B, dot=False):
 # batch 1 takes two warps since its shared expert's weights load before the PDL wait, all at once (_rows_dot's WAIT;
 # (2, 256, 1) then spills: 255 registers): H200, 2026-12-05 (.dev/rs_ab.py), router + experts us per layer over the
 # 47 MoE layers 19.78-20.37 against 20.53-20.57, (1, 256, 2) 20.18-20.67. bf16 down at batch 1 takes one warp since
-# it routes the token and loads its weights before the PDL wait (H100, 2026-12-05, .dev/dr_ab.py, 25 layers, router
+# it routes the token and loads its weights before the PDL wait (H100s, 2026-12-05, .dev/dr_ab.py, 25 layers, router
 # + experts us per layer / whole steps at 512 tok/s, four alternated rounds): (1, 512, 1) 21.05-22.20 / 688-731
 # against (1, 512, 2) 22.04-23.70 / 709-712, (2, 512, 1) and (2, 512, 2) no faster; the recorded experts read after
 # the wait (before) 23.52-24.07 / 677-716, with (1, 512, 1) 22.96-23.51 / 677-691.
