@@ -1195,16 +1195,15 @@ def _moe_down_kernel(
     PDL wait, so that the weight loads go first: the router finished before this kernel launched."""
     rb, b = tl.program_id(0), tl.program_id(1)
     EARLY: tl.constexpr = PDL == 2
-    if not EARLY:
-        _pdl_wait(PDL)                                                # (the experts come from the gate/up kernel)
     offs_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, J_PAD)
     routed = offs_j < A
     if EARLY:
         e, w = _route(logits_ptr, b, E, A, J_PAD, NORM_TOPK)
-        e = e.to(tl.int64)
     else:
-        e = tl.load(ids_ptr + b * A + offs_j, mask=routed, other=0).to(tl.int64)
+        _pdl_wait(PDL)                                                # (the experts come from the gate/up kernel)
+        e = tl.load(ids_ptr + b * A + offs_j, mask=routed, other=0)
+    e = e.to(tl.int64)
     chunk = tl.where(routed, 0, tl.minimum(offs_j, J - 1) - A)        # shared chunk (padding slots: the last,
     real = (offs_j < J)[:, None]                                      # weighted 0)
     ROW_BYTES: tl.constexpr = I // 2 if NVFP4 else I
