@@ -578,15 +578,18 @@ def _kv_tile(k_cache_ptr, v_cache_ptr, cache_b, slot, mask, stride_cs, D: tl.con
 
 
 @triton.jit
-def _attend(q1, q2, k1, k2, v, kt1, kt2, vt, slot, newest, p, end, m_i, l_i, acc, qk_scale):
+def _attend(q1, q2, k1, k2, v, kt1, kt2, vt, slot, newest, p, end, m_i, l_i, acc, qk_scale, RING: tl.constexpr):
     """One online-softmax step of the query rows (halves q1, q2) over the cached keys and values kt1, kt2, vt of
-    `slot`: slots below end that were written (slot <= p) are visible, and slot `newest` takes this token's k1, k2, v
-    from registers (another program may be writing it right now). Returns the running max m_i (log2 units), row sum
-    l_i and unnormalized output acc, updated."""
+    `slot`: slots below end that were written (slot <= p) are visible. RING (sliding layers): slot `newest` takes
+    this token's k1, k2, v from registers (another program may be writing it right now). Full layers read only
+    slots below newest, so their tiles go to the tensor cores as loaded (the substitution would take each tile from
+    shared memory to registers and back). Returns the running max m_i (log2 units), row sum l_i and unnormalized
+    output acc, updated."""
     is_new, visible = slot == newest, (slot < end) & (slot <= p)
-    kt1 = tl.where(is_new[:, None], k1[None, :].to(kt1.dtype), kt1)
-    kt2 = tl.where(is_new[:, None], k2[None, :].to(kt2.dtype), kt2)
-    vt = tl.where(is_new[:, None], v[None, :].to(vt.dtype), vt)
+    if RING:
+        kt1 = tl.where(is_new[:, None], k1[None, :].to(kt1.dtype), kt1)
+        kt2 = tl.where(is_new[:, None], k2[None, :].to(kt2.dtype), kt2)
+        vt = tl.where(is_new[:, None], v[None, :].to(vt.dtype), vt)
     s = _dot(_dot(tl.zeros([q1.shape[0], kt1.shape[0]], dtype=tl.float32), q1, kt1), q2, kt2)
     s = tl.where(visible[None, :], s * qk_scale, float("-inf"))       # log2 units: scale * log2(e) folded in
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -657,22 +660,29 @@ def _attention_decode_kernel(
             tl.store(zero_ptr + b * C + z, tl.zeros([BLOCK_Z], dtype=tl.int64), mask=z < C)
 
     # ---- attend over this split's slots start .. end - 1
+    RING: tl.constexpr = WINDOW > 0
     m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
-    if WINDOW > 0:                                                    # the tile loaded first
+    if RING:                                                          # the tile loaded first
         m_i, l_i, acc = _attend(q1, q2, k1, k2, v, kt1, kt2, vt, start + offs_s, newest, p, end, m_i, l_i, acc,
-                                qk_scale)
+                                qk_scale, RING)
         first = start + BLOCK_S                                       # (more tiles: batches of fewer splits)
     else:
-        # full layers: slot = position; the p + 1 visible keys in NUM_SPLITS contiguous shares
-        chunk = tl.cdiv(tl.cdiv(p + 1, NUM_SPLITS), BLOCK_S) * BLOCK_S
+        # full layers: slot = position; the p cached keys in NUM_SPLITS contiguous shares, and this token's own
+        # key and value (from registers) as split 0's first term: its score is the running max, its weight 1
+        chunk = tl.cdiv(tl.cdiv(p, NUM_SPLITS), BLOCK_S) * BLOCK_S
         first = split * chunk
-        end = tl.minimum(first + chunk, p + 1)
+        end = tl.minimum(first + chunk, p)
+        if split == 0:
+            m_i = (tl.sum(q1 * k1[None, :], 1) + tl.sum(q2 * k2[None, :], 1)) * qk_scale
+            l_i = tl.full([BLOCK_R], 1.0, dtype=tl.float32)
+            acc = tl.broadcast_to(v[None, :], [BLOCK_R, D])
     for s0 in range(first, end, BLOCK_S):
         slot = s0 + offs_s
         kt1, kt2, vt = _kv_tile(k_cache_ptr, v_cache_ptr, cache_b, slot, slot < end, stride_cs, D)
-        m_i, l_i, acc = _attend(q1, q2, k1, k2, v, kt1, kt2, vt, slot, newest, p, end, m_i, l_i, acc, qk_scale)
+        m_i, l_i, acc = _attend(q1, q2, k1, k2, v, kt1, kt2, vt, slot, newest, p, end, m_i, l_i, acc, qk_scale,
+                                RING)
 
     # ---- partials [B, H, NUM_SPLITS] (m in log2 units) and [B, H, NUM_SPLITS, D]
     h = g * R + offs_r
@@ -749,9 +759,14 @@ def _attention_o_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, w_ptr, s_ptr, rs_ptr, 
 # per split (min_splits to 128 splits) and keys per step; warps, pipeline stages: the fastest of sweeps on an H200
 # (sliding layers, 2026-12-03, us per layer at batch 1 / 8 / 64: 6.90 / 15.62 / 37.23 against 16 x 64 keys 6.86 /
 # 20.06 / 44.07 and 16 x 16 7.14 / 15.16 / 45.58; full layers at 32K, batch 1 / 8: 29.64 / 152.74 with 4 warps
-# against 37.23 / 207.39 with 8); larger batches take fewer splits, down to ~`programs` programs
+# against 37.23 / 207.39 with 8); larger batches take fewer splits, down to ~`programs` programs. Full layers' splits
+# hold at least min_keys slots of the cache, and take short_stages when that is one key step (the pipeline's tile
+# ahead goes unused): H200, 2026-12-05, bf16 attention + combine + o_proj over 14 full layers, us per layer
+# (.dev/attn_sweep.py, two rounds), caches of 520 slots 10.59-10.65 against 12.54-12.99 for 32 splits and 3 stages,
+# 1032 slots 11.87-11.98 against 13.03-13.15, 2K and 4K unchanged (13.1, 14.5); NVFP4 at 520 9.95-10.23 against
+# 10.53-10.68; one stage or other min_keys (16, 64) slower
 ATTENTION = dict(sliding_splits=32, sliding_block=32, sliding_warps=8, keys_per_split=1024, min_splits=32,
-                 full_block=64, full_warps=4, stages=3, programs=512)
+                 min_keys=32, full_block=64, full_warps=4, stages=3, short_stages=2, programs=512)
 # The splits' combine inside o_proj (_attention_o_kernel) instead of a combine launch and the o_proj GEMV: rows per
 # program and warps by weight format (None: apart), for up to O_FUSED_ROWS rows. H200, 2026-12-03, us per layer at
 # batch 1, attention + o_proj on sliding / full layers at 512, each over all its layers in one CUDA graph: NVFP4
@@ -775,15 +790,21 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
     assert not window or S <= window, f"a sliding layer's ring holds at most {window} slots, got {S}"
     # enough programs to fill the GPU at batch 1 (4 kv heads); the interpreter runs programs one by one
     t = ATTENTION if not INTERPRET else dict(sliding_splits=2, sliding_block=16, sliding_warps=4, keys_per_split=16,
-                                             min_splits=4, full_block=16, full_warps=4, stages=1, programs=8)
-    NUM_SPLITS = t["sliding_splits"] if window else \
-        max(t["min_splits"], min(128, triton.next_power_of_2(triton.cdiv(S, t["keys_per_split"]))))
+                                             min_splits=4, min_keys=8, full_block=16, full_warps=4, stages=1,
+                                             short_stages=1, programs=8)
+    if window:
+        NUM_SPLITS = t["sliding_splits"]
+    else:                                       # (min_splits up, but no more than a cache's S // min_keys)
+        NUM_SPLITS = max(t["min_splits"], min(128, triton.next_power_of_2(triton.cdiv(S, t["keys_per_split"]))))
+        NUM_SPLITS = min(NUM_SPLITS, 1 << (max(1, S // t["min_keys"]).bit_length() - 1))
     NUM_SPLITS = min(NUM_SPLITS, triton.next_power_of_2(triton.cdiv(t["programs"], B * G)))  # (fewer partials)
     kind = "sliding" if window else "full"
-    BLOCK_S, warps = t[kind + "_block"], t[kind + "_warps"]
+    BLOCK_S, warps, stages = t[kind + "_block"], t[kind + "_warps"], t["stages"]
     if window:                                                        # one tile per split when it fits, and
         BLOCK_S = max(16, min(BLOCK_S, triton.next_power_of_2(triton.cdiv(S, NUM_SPLITS))))
         NUM_SPLITS = min(NUM_SPLITS, triton.cdiv(S, BLOCK_S))         # no empty splits (513 slots: 17 of 32)
+    elif triton.cdiv(S, NUM_SPLITS) <= BLOCK_S:                       # one key step per split: no tile ahead
+        stages = t["short_stages"]
     SPLITS_PAD = triton.next_power_of_2(NUM_SPLITS)
     m = torch.empty(B, H, NUM_SPLITS, device=qkv.device, dtype=torch.float32)
     l = torch.empty_like(m)
@@ -805,7 +826,7 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
         H=H, G=G, D=D, WINDOW=window, NUM_SPLITS=NUM_SPLITS,
         BLOCK_R=max(16, triton.next_power_of_2(H // G)), BLOCK_S=BLOCK_S,
         BLOCK_Z=triton.next_power_of_2(triton.cdiv(C, G)) if C else 0, PDL=pdl, num_warps=warps,
-        num_stages=t["stages"], launch_pdl=pdl > 0)
+        num_stages=stages, launch_pdl=pdl > 0)
     if not fused:
         o = torch.empty(B, H * D, device=qkv.device, dtype=torch.bfloat16)
         _attention_combine_kernel[(B, H)](m, l, acc, sinks, o, H=H, D=D, NUM_SPLITS=NUM_SPLITS, SPLITS_PAD=SPLITS_PAD,
