@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 import flint  # noqa: E402
 import load  # noqa: E402
-from generate import add_model_args, load_model, prefill  # noqa: E402
+from generate import add_model_args, load_model, prefill, sampling_expects  # noqa: E402
 
 HELP = """commands:
   /help                      this help
@@ -275,9 +275,8 @@ def set_setting(chat, name, value):
     except ValueError:
         raise ValueError(f"/set {name}: expected a{'n integer' if SETTINGS[name] is int else ' number'}, "
                          f"got {value!r}") from None
-    ok, expected = {"temperature": (v >= 0, "0 (greedy) or more"), "top_p": (0 < v <= 1, "above 0, at most 1"),
-                    "top_k": (v >= 0, "0 (off) or more"), "max_tokens": (v >= 1, "1 or more")}[name]
-    if not ok:
+    expected = ("1 or more" if v < 1 else None) if name == "max_tokens" else sampling_expects(name, v)
+    if expected:
         raise ValueError(f"/set {name}: expected {expected}, got {value}")
     chat.settings[name] = v
     if name != "max_tokens":
@@ -398,12 +397,14 @@ def turn(chat, out, color):
 
 
 def main(args):
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens {args.max_tokens}: expected 1 or more")
     ckpt, sampling = load_model(args)
     if ckpt.chat_template is None:
         raise ValueError(f"checkpoint {ckpt.name} has no chat template (chat_template.jinja, tokenizer_config.json "
                          f"or the GGUF's tokenizer.chat_template); use generate.py for raw prompts")
     cfg = ckpt.model.cfg
-    max_seq_len = args.max_seq_len or cfg.max_position_embeddings
+    max_seq_len = args.max_seq_len if args.max_seq_len is not None else cfg.max_position_embeddings
     if not 1 < max_seq_len <= cfg.max_position_embeddings:
         raise ValueError(f"--max-seq-len {max_seq_len}: expected 2 to {cfg.max_position_embeddings} (the model's "
                          f"context)")

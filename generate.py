@@ -14,6 +14,19 @@ import load
 
 
 PREFILL_CHUNK = 8192                    # tokens per prefill forward (measured: see README); bounds activation memory
+SAMPLING = ("temperature", "top_k", "top_p")
+
+
+def sampling_expects(name, v):
+    """None if v suits the sampling setting `name` (the flags, generation_config.json, chat.py's /set), else what
+    that setting expects."""
+    if not isinstance(v, (int, float)):
+        return "a number"
+    if name == "temperature":
+        return None if v >= 0 else "0 (greedy) or more"
+    if name == "top_k":
+        return None if v >= 0 and v == int(v) else "a whole number, 0 (off) or more"
+    return None if 0 < v <= 1 else "above 0, at most 1 (1 = off)"
 
 
 @torch.inference_mode()
@@ -61,16 +74,26 @@ def read_prompts(args):
 
 def load_model(args):
     """The checkpoint and the sampling settings that the shared flags (add_model_args) ask for; seeds torch."""
+    for k in SAMPLING:                                                  # the flags, before the (long) load
+        if getattr(args, k) is not None and (expected := sampling_expects(k, getattr(args, k))):
+            raise ValueError(f"--{k.replace('_', '-')} {getattr(args, k)}: expected {expected}")
     torch.manual_seed(args.seed)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     ckpt = load.load(args.checkpoint, device, dtype)
-    sampling = {k: getattr(args, k) if getattr(args, k) is not None else ckpt.sampling[k]
-                for k in ("temperature", "top_k", "top_p")}
+    sampling = {k: getattr(args, k) if getattr(args, k) is not None else ckpt.sampling[k] for k in SAMPLING}
+    for k, v in sampling.items():                                       # the checkpoint's defaults
+        if expected := sampling_expects(k, v):
+            raise ValueError(f"{ckpt.name}: its default {k} {v} (generation_config.json or the GGUF metadata) is "
+                             f"not {expected}; override it with --{k.replace('_', '-')}")
     return ckpt, sampling
 
 
 def main(args):
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens}: expected 1 or more")
+    if args.max_seq_len is not None and args.max_seq_len < 2:
+        raise ValueError(f"--max-seq-len {args.max_seq_len}: expected 2 or more (the KV cache length)")
     prompts = read_prompts(args)
     ckpt, sampling = load_model(args)
     model, tok, cfg = ckpt.model, ckpt.tokenizer, ckpt.model.cfg
@@ -82,7 +105,7 @@ def main(args):
         prompts = [load.render_chat(ckpt.chat_template, [{"role": "user", "content": p}], tokenizer=tok)
                    for p in prompts]
     ids = [tok.encode(p) for p in prompts]
-    max_seq_len = args.max_seq_len or cfg.max_position_embeddings
+    max_seq_len = args.max_seq_len if args.max_seq_len is not None else cfg.max_position_embeddings
     longest = max(len(i) for i in ids)
     if longest == 0:
         raise ValueError("the prompt is empty after tokenization; give at least one token of text")

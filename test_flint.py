@@ -10,6 +10,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -425,6 +426,33 @@ def test_generate_too_long_prompt():
     assert r.returncode != 0 and "exceeds --max-seq-len 64" in r.stderr
     r = run_generate("-c", "tiny", "-p", "hi", "--max-seq-len", "100000")
     assert r.returncode != 0 and "exceeds the model's context" in r.stderr
+
+
+def test_generate_rejects_bad_settings(hf_tiny, tmp_path):
+    """Out-of-range flags fail before the checkpoint loads, naming the flag and what it takes; a checkpoint's
+    out-of-range sampling default fails naming it and the flag that overrides it."""
+    import generate
+    for flags, msg in ((["-n", "0"], "--max-new-tokens 0: expected 1 or more"),
+                       (["--max-seq-len", "0"], "--max-seq-len 0: expected 2 or more"),
+                       (["-t", "-1"], "--temperature -1.0: expected 0 (greedy) or more"),
+                       (["--top-k", "-3"], "--top-k -3: expected a whole number, 0 (off) or more"),
+                       (["--top-p", "0"], "--top-p 0.0: expected above 0, at most 1"),
+                       (["--top-p", "1.5"], "--top-p 1.5: expected above 0, at most 1")):
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            generate.main(generate.parser().parse_args(["-c", "no/such/checkpoint", *flags]))
+    path = Path(shutil.copytree(hf_tiny[1], tmp_path / "ckpt"))
+    (path / "generation_config.json").write_text(json.dumps({"top_p": 0}))
+    with pytest.raises(ValueError, match=r"default top_p 0 .* override it with --top-p"):
+        generate.load_model(generate.parser().parse_args(["-c", str(path), "--device", "cpu"]))
+    _, sampling = generate.load_model(generate.parser().parse_args(["-c", str(path), "--device", "cpu", "--top-p",
+                                                                    "0.9"]))
+    assert sampling["top_p"] == 0.9
+    import chat                                                         # its /set takes the same ranges
+    for name, value, msg in (("top_p", "0", "above 0, at most 1"), ("top_k", "-1", "a whole number, 0 (off)"),
+                             ("temperature", "-2", "0 (greedy) or more"), ("max_tokens", "0", "1 or more"),
+                             ("top_k", "2.5", "an integer, got '2.5'")):
+        with pytest.raises(ValueError, match=re.escape(f"/set {name}: expected") + ".*" + re.escape(msg)):
+            chat.set_setting(None, name, value)
 
 
 # -----------------------------------------------------------------------------
