@@ -203,6 +203,9 @@ def bench_prefill(model, cfg, weights, n, args):
 
 
 def main(args):
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.py needs a CUDA GPU: it builds the full-size model on the GPU, and this torch sees "
+                         "none (torch.cuda.is_available() is False)")
     dev = torch.device("cuda")
     copy_bw, gemv_bw = floors(dev)
     print(f"floors: device copy {copy_bw:.0f} GB/s, bf16 GEMV read {gemv_bw:.0f} GB/s", file=sys.stderr)
@@ -273,4 +276,9 @@ if __name__ == "__main__":
     p.add_argument("--reference-max", type=int, default=131072,
                    help="longest prompt to prefill on the reference path (1,400 to 500 tok/s: 4 to 5 minutes per "
                         "weight format at 128K)")
-    main(p.parse_args())
+    args = p.parse_args()
+    if not all(1 <= B <= flint.MAX_DECODE_BATCH for B in args.batch):
+        p.error(f"--batch {args.batch}: each batch must be 1 to {flint.MAX_DECODE_BATCH}")
+    if min(args.context + args.prefill + [args.iters, args.chunk], default=1) < 1:
+        p.error("--context, --prefill, --iters and --chunk take positive numbers")
+    main(args)

@@ -72,13 +72,26 @@ def read_prompts(args):
     return prompts
 
 
+def usable_device(name):
+    """torch.device(name), checked to exist on this machine before anything loads onto it."""
+    try:
+        device = torch.device(name)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:                         # (no CUDA: torch raises AssertionError)
+        cuda = "; this torch sees no CUDA GPU" if name.startswith("cuda") and not torch.cuda.is_available() else ""
+        why = str(e).splitlines()[0].split(". ")[0]                     # (torch's first sentence)
+        raise ValueError(f"--device {name}: not usable here{cuda} ({why}); use --device cpu, or cuda on a machine "
+                         f"with an NVIDIA GPU") from None
+    return device
+
+
 def load_model(args):
     """The checkpoint and the sampling settings that the shared flags (add_model_args) ask for; seeds torch."""
     for k in SAMPLING:                                                  # the flags, before the (long) load
         if getattr(args, k) is not None and (expected := sampling_expects(k, getattr(args, k))):
             raise ValueError(f"--{k.replace('_', '-')} {getattr(args, k)}: expected {expected}")
     torch.manual_seed(args.seed)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = usable_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     ckpt = load.load(args.checkpoint, device, dtype)
     sampling = {k: getattr(args, k) if getattr(args, k) is not None else ckpt.sampling[k] for k in SAMPLING}

@@ -429,15 +429,18 @@ def test_generate_too_long_prompt():
 
 
 def test_generate_rejects_bad_settings(hf_tiny, tmp_path):
-    """Out-of-range flags fail before the checkpoint loads, naming the flag and what it takes; a checkpoint's
-    out-of-range sampling default fails naming it and the flag that overrides it."""
+    """Out-of-range flags and unusable devices fail before the checkpoint loads, naming the flag and what it takes;
+    a checkpoint's out-of-range sampling default fails naming it and the flag that overrides it; bench.py checks its
+    batches and says when there is no GPU."""
     import generate
     for flags, msg in ((["-n", "0"], "--max-new-tokens 0: expected 1 or more"),
                        (["--max-seq-len", "0"], "--max-seq-len 0: expected 2 or more"),
                        (["-t", "-1"], "--temperature -1.0: expected 0 (greedy) or more"),
                        (["--top-k", "-3"], "--top-k -3: expected a whole number, 0 (off) or more"),
                        (["--top-p", "0"], "--top-p 0.0: expected above 0, at most 1"),
-                       (["--top-p", "1.5"], "--top-p 1.5: expected above 0, at most 1")):
+                       (["--top-p", "1.5"], "--top-p 1.5: expected above 0, at most 1"),
+                       (["--device", "xyz"], "--device xyz: not usable here"),
+                       *[(["--device", "cuda"], "this torch sees no CUDA GPU")] * (not torch.cuda.is_available())):
         with pytest.raises(ValueError, match=re.escape(msg)):
             generate.main(generate.parser().parse_args(["-c", "no/such/checkpoint", *flags]))
     path = Path(shutil.copytree(hf_tiny[1], tmp_path / "ckpt"))
@@ -453,6 +456,12 @@ def test_generate_rejects_bad_settings(hf_tiny, tmp_path):
                              ("top_k", "2.5", "an integer, got '2.5'")):
         with pytest.raises(ValueError, match=re.escape(f"/set {name}: expected") + ".*" + re.escape(msg)):
             chat.set_setting(None, name, value)
+    r = subprocess.run([sys.executable, str(HERE / "bench.py"), "--batch", "0", "65"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode != 0 and "each batch must be 1 to 64" in r.stderr
+    if not torch.cuda.is_available():
+        r = subprocess.run([sys.executable, str(HERE / "bench.py")], capture_output=True, text=True, timeout=300)
+        assert r.returncode != 0 and "bench.py needs a CUDA GPU" in r.stderr
 
 
 # -----------------------------------------------------------------------------
