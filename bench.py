@@ -279,6 +279,6 @@ if __name__ == "__main__":
     args = p.parse_args()
     if not all(1 <= B <= flint.MAX_DECODE_BATCH for B in args.batch):
         p.error(f"--batch {args.batch}: each batch must be 1 to {flint.MAX_DECODE_BATCH}")
-    if min(args.context + args.prefill + [args.iters, args.chunk], default=1) < 1:
+    if min(args.context + args.prefill + [args.iters, args.chunk]) < 1:
         p.error("--context, --prefill, --iters and --chunk take positive numbers")
     main(args)

@@ -14,7 +14,6 @@ import load
 
 
 PREFILL_CHUNK = 8192                    # tokens per prefill forward (measured: see README); bounds activation memory
-SAMPLING = ("temperature", "top_k", "top_p")
 
 
 def sampling_expects(name, v):
@@ -87,19 +86,20 @@ def usable_device(name):
 
 def load_model(args):
     """The checkpoint and the sampling settings that the shared flags (add_model_args) ask for; seeds torch."""
-    for k in SAMPLING:                                                  # the flags, before the (long) load
-        if getattr(args, k) is not None and (expected := sampling_expects(k, getattr(args, k))):
-            raise ValueError(f"--{k.replace('_', '-')} {getattr(args, k)}: expected {expected}")
+    flag = {k: "--" + k.replace("_", "-") for k in load.SAMPLING_DEFAULTS}
+    given = {k: getattr(args, k) for k in flag if getattr(args, k) is not None}
+    for k, v in given.items():                                          # the flags, before the (long) load
+        if expected := sampling_expects(k, v):
+            raise ValueError(f"{flag[k]} {v}: expected {expected}")
     torch.manual_seed(args.seed)
     device = usable_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     ckpt = load.load(args.checkpoint, device, dtype)
-    sampling = {k: getattr(args, k) if getattr(args, k) is not None else ckpt.sampling[k] for k in SAMPLING}
-    for k, v in sampling.items():                                       # the checkpoint's defaults
-        if expected := sampling_expects(k, v):
-            raise ValueError(f"{ckpt.name}: its default {k} {v} (generation_config.json or the GGUF metadata) is "
-                             f"not {expected}; override it with --{k.replace('_', '-')}")
-    return ckpt, sampling
+    for k in flag:                                                      # the checkpoint's defaults
+        if k not in given and (expected := sampling_expects(k, ckpt.sampling[k])):
+            raise ValueError(f"{ckpt.name}: its default {k} {ckpt.sampling[k]} (generation_config.json or the GGUF "
+                             f"metadata) is not {expected}; override it with {flag[k]}")
+    return ckpt, {**ckpt.sampling, **given}
 
 
 def main(args):
