@@ -755,18 +755,25 @@ def _attention_o_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, w_ptr, s_ptr, rs_ptr, 
     tl.atomic_add(out_ptr + b * C + offs_n, _to_fixed(y), mask=nmask, sem="relaxed")
 
 
-# splits of the sliding window and keys per step there (one step per split at batch 1 and 8); on full layers keys
-# per split (min_splits to 128 splits) and keys per step; warps, pipeline stages: the fastest of sweeps on an H200
-# (sliding layers, 2026-12-03, us per layer at batch 1 / 8 / 64: 6.90 / 15.62 / 37.23 against 16 x 64 keys 6.86 /
-# 20.06 / 44.07 and 16 x 16 7.14 / 15.16 / 45.58; full layers at 32K, batch 1 / 8: 29.64 / 152.74 with 4 warps
-# against 37.23 / 207.39 with 8); larger batches take fewer splits, down to ~`programs` programs. Full layers' splits
-# hold at least min_keys slots of the cache, and take short_stages when that is one key step (the pipeline's tile
-# ahead goes unused): H200, 2026-12-05, bf16 attention + combine + o_proj over 14 full layers, us per layer
-# (.dev/attn_sweep.py, two rounds), caches of 520 slots 10.59-10.65 against 12.54-12.99 for 32 splits and 3 stages,
-# 1032 slots 11.87-11.98 against 13.03-13.15, 2K and 4K unchanged (13.1, 14.5); NVFP4 at 520 9.95-10.23 against
-# 10.53-10.68; one stage or other min_keys (16, 64) slower
-ATTENTION = dict(sliding_splits=32, sliding_block=32, sliding_warps=8, keys_per_split=1024, min_splits=32,
-                 min_keys=32, full_block=64, full_warps=4, stages=3, short_stages=2, programs=512)
+# Tiles of the split-KV attention by kind of layer, each the fastest of sweeps: splits (sliding: of the window; full:
+# min_splits, or one per keys_per_split slots of a longer cache, up to 128), keys per step (block), warps, stages.
+# Larger batches take fewer splits, down to ~`programs` programs. Full layers' splits hold at least min_keys slots of
+# the cache and take short_stages when that is one key step (the pipeline's tile ahead goes unused): H200,
+# 2026-12-05, bf16 caches of 520 slots 10.59-10.65 against 12.54-12.99 us per layer with 32 splits and 3 stages.
+# - sliding: H200, 2026-12-03, us per layer at batch 1 / 8 / 64: 6.90 / 15.62 / 37.23 against 16 x 64 keys 6.86 /
+#   20.06 / 44.07 and 16 x 16 7.14 / 15.16 / 45.58.
+# - full (the combine in its own launch): H100, 2026-12-05, bf16 attention + combine + o_proj, us per full layer
+#   (.dev/attn_sweep.py): 128 splits of 32-key steps, 2 warps, 2 stages at 2K / 4K / 8K / 16K 12.60-12.86 /
+#   14.49-14.60 / 17.83-17.84 / 23.76-24.53 against the fused kind's tiles 14.05-14.48 / 16.00-16.03 / 19.01-19.21
+#   / 24.63-24.90.
+# - fused (the combine inside o_proj, which redoes it per block of rows, so fewer splits): H200, 2026-12-03, 32K
+#   batch 1 / 8: 29.64 / 152.74 with 4 warps against 37.23 / 207.39 with 8; H200, 2026-12-05, NVFP4 at 520 slots
+#   9.95-10.23 against 10.53-10.68 for 32 splits and 3 stages; H100, 2026-12-05: with the full kind's tiles NVFP4
+#   batch 1 measured 4K / 32K 497.7-500.5 / 439.3-442.4 against 546.8-547.3 / 470.1-471.0 tok/s.
+ATTENTION = dict(sliding=dict(splits=32, block=32, warps=8, stages=3),
+                 full=dict(min_splits=128, block=32, warps=2, stages=2),
+                 fused=dict(min_splits=32, block=64, warps=4, stages=3),
+                 keys_per_split=1024, min_keys=32, short_stages=2, programs=512)
 # The splits' combine inside o_proj (_attention_o_kernel) instead of a combine launch and the o_proj GEMV: rows per
 # program and warps by weight format (None: apart), for up to O_FUSED_ROWS rows. H200, 2026-12-03, us per layer at
 # batch 1, attention + o_proj on sliding / full layers at 512, each over all its layers in one CUDA graph: NVFP4
@@ -788,29 +795,29 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.bfloat16
     assert pos.shape == (B,) and sinks.dtype == torch.float32 and cos.dtype == torch.float32
     assert not window or S <= window, f"a sliding layer's ring holds at most {window} slots, got {S}"
+    wp, sp, rsp, nvfp4 = _weight_args(w_o) if w_o is not None else (None, None, None, False)
+    fused = w_o is not None and ATTENTION_O[nvfp4] is not None and B <= O_FUSED_ROWS
     # enough programs to fill the GPU at batch 1 (4 kv heads); the interpreter runs programs one by one
-    t = ATTENTION if not INTERPRET else dict(sliding_splits=2, sliding_block=16, sliding_warps=4, keys_per_split=16,
-                                             min_splits=4, min_keys=8, full_block=16, full_warps=4, stages=1,
+    small = dict(splits=2, min_splits=4, block=16, warps=4, stages=1)
+    t = ATTENTION if not INTERPRET else dict(sliding=small, full=small, fused=small, keys_per_split=16, min_keys=8,
                                              short_stages=1, programs=8)
+    tile = t["sliding" if window else "fused" if fused else "full"]
     if window:
-        NUM_SPLITS = t["sliding_splits"]
+        NUM_SPLITS = tile["splits"]
     else:                                       # (min_splits up, but no more than a cache's S // min_keys)
-        NUM_SPLITS = max(t["min_splits"], min(128, triton.next_power_of_2(triton.cdiv(S, t["keys_per_split"]))))
+        NUM_SPLITS = max(tile["min_splits"], min(128, triton.next_power_of_2(triton.cdiv(S, t["keys_per_split"]))))
         NUM_SPLITS = min(NUM_SPLITS, 1 << (max(1, S // t["min_keys"]).bit_length() - 1))
     NUM_SPLITS = min(NUM_SPLITS, triton.next_power_of_2(triton.cdiv(t["programs"], B * G)))  # (fewer partials)
-    kind = "sliding" if window else "full"
-    BLOCK_S, warps, stages = t[kind + "_block"], t[kind + "_warps"], t["stages"]
+    BLOCK_S, warps, stages = tile["block"], tile["warps"], tile["stages"]
     if window:                                                        # one tile per split when it fits, and
         BLOCK_S = max(16, min(BLOCK_S, triton.next_power_of_2(triton.cdiv(S, NUM_SPLITS))))
         NUM_SPLITS = min(NUM_SPLITS, triton.cdiv(S, BLOCK_S))         # no empty splits (513 slots: 17 of 32)
     elif triton.cdiv(S, NUM_SPLITS) <= BLOCK_S:                       # one key step per split: no tile ahead
-        stages = t["short_stages"]
+        stages = min(stages, t["short_stages"])
     SPLITS_PAD = triton.next_power_of_2(NUM_SPLITS)
     m = torch.empty(B, H, NUM_SPLITS, device=qkv.device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(B, H, NUM_SPLITS, D, device=qkv.device, dtype=torch.float32)
-    wp, sp, rsp, nvfp4 = _weight_args(w_o) if w_o is not None else (None, None, None, False)
-    fused = w_o is not None and ATTENTION_O[nvfp4] is not None and B <= O_FUSED_ROWS
     pdl = _pdl(qkv, nvfp4) if w_o is not None else 0                 # (none in the GEMM path: no o_proj here)
     if fused:
         C = w_o.shape[0]

@@ -1414,7 +1414,7 @@ def compile_kernels_for_sm90():
         kernels.matmul(bf(256, C), W((H + 2 * G) * D, C))
     kernels.add_norm_linear(bf(1, C), None, bf(C), bf(E, C), 1e-6)  # router
     cos, sin = flint.rope_table(cfg, 1024, "cpu")
-    for B, window, slots in ((1, 513, 513), (1, 0, 1024), (64, 513, 513)):
+    for B, window, slots in ((1, 513, 513), (1, 0, 1024), (1, 0, 8192), (64, 513, 513), (64, 0, 1024)):
         k = bf(B, slots, G, D)
         for w_o in (None, bf(C, H * D), flint.NVFP4.empty(C, H * D))[:3 if B == 1 else 1]:
             kernels.attention_decode(bf(B, (H + 2 * G) * D), bf(D), bf(D), torch.zeros(H), cos, sin, k, k,
