@@ -758,8 +758,11 @@ def _attention_o_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, w_ptr, s_ptr, rs_ptr, 
 # Tiles of the split-KV attention by kind of layer, each the fastest of sweeps: splits (sliding: of the window; full:
 # min_splits, or one per keys_per_split slots of a longer cache, up to 128), keys per step (block), warps, stages.
 # Larger batches take fewer splits, down to ~`programs` programs. Full layers' splits hold at least min_keys slots of
-# the cache and take short_stages when that is one key step (the pipeline's tile ahead goes unused): H200,
-# 2026-12-05, bf16 caches of 520 slots 10.59-10.65 against 12.54-12.99 us per layer with 32 splits and 3 stages.
+# the cache. Splits of one key step take short_stages (the pipeline's tile ahead goes unused): H200, 2026-12-05, bf16
+# full layers over caches of 520 slots 10.59-10.65 against 12.54-12.99 us per layer with 32 splits and 3 stages;
+# sliding layers at batch 1 (17 splits of 32 keys), H100, 2026-12-06, whole bf16 steps (.dev/ab.py, two rounds) at
+# 512 / 4K 414.8-415.4 / 410.6 against 411.6-413.5 / 406.1-407.0 tok/s with 3 stages; but at batch 2 / 4 (also 17
+# splits of one step) 3 stages stay faster, 4K 548.9 / 743.5 against 538.5 / 736.4.
 # - sliding: H200, 2026-12-03, us per layer at batch 1 / 8 / 64: 6.90 / 15.62 / 37.23 against 16 x 64 keys 6.86 /
 #   20.06 / 44.07 and 16 x 16 7.14 / 15.16 / 45.58.
 # - full (the combine in its own launch): H100, 2026-12-05, bf16 attention + combine + o_proj, us per full layer
@@ -812,8 +815,8 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
     if window:                                                        # one tile per split when it fits, and
         BLOCK_S = max(16, min(BLOCK_S, triton.next_power_of_2(triton.cdiv(S, NUM_SPLITS))))
         NUM_SPLITS = min(NUM_SPLITS, triton.cdiv(S, BLOCK_S))         # no empty splits (513 slots: 17 of 32)
-    elif triton.cdiv(S, NUM_SPLITS) <= BLOCK_S:                       # one key step per split: no tile ahead
-        stages = min(stages, t["short_stages"])
+    if triton.cdiv(S, NUM_SPLITS) <= BLOCK_S and (B == 1 or not window):  # one key step per split: no tile ahead
+        stages = min(stages, t["short_stages"])                           # (sliding at 2-4 rows: 3 stages faster)
     SPLITS_PAD = triton.next_power_of_2(NUM_SPLITS)
     m = torch.empty(B, H, NUM_SPLITS, device=qkv.device, dtype=torch.float32)
     l = torch.empty_like(m)
