@@ -777,6 +777,9 @@ ATTENTION = dict(sliding=dict(splits=32, block=32, warps=8, stages=3),
                  full=dict(min_splits=128, block=32, warps=2, stages=2),
                  fused=dict(min_splits=32, block=64, warps=4, stages=3),
                  keys_per_split=1024, min_keys=32, short_stages=2, programs=512)
+_SMALL = dict(splits=2, min_splits=4, block=16, warps=4, stages=1)  # the interpreter runs programs one by one
+ATTENTION_INTERPRETER = dict(sliding=_SMALL, full=_SMALL, fused=_SMALL, keys_per_split=16, min_keys=8, short_stages=1,
+                             programs=8)
 # The splits' combine inside o_proj (_attention_o_kernel) instead of a combine launch and the o_proj GEMV: rows per
 # program and warps by weight format (None: apart), for up to O_FUSED_ROWS rows. H200, 2026-12-03, us per layer at
 # batch 1, attention + o_proj on sliding / full layers at 512, each over all its layers in one CUDA graph: NVFP4
@@ -800,10 +803,7 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
     assert not window or S <= window, f"a sliding layer's ring holds at most {window} slots, got {S}"
     wp, sp, rsp, nvfp4 = _weight_args(w_o) if w_o is not None else (None, None, None, False)
     fused = w_o is not None and ATTENTION_O[nvfp4] is not None and B <= O_FUSED_ROWS
-    # enough programs to fill the GPU at batch 1 (4 kv heads); the interpreter runs programs one by one
-    small = dict(splits=2, min_splits=4, block=16, warps=4, stages=1)
-    t = ATTENTION if not INTERPRET else dict(sliding=small, full=small, fused=small, keys_per_split=16, min_keys=8,
-                                             short_stages=1, programs=8)
+    t = ATTENTION_INTERPRETER if INTERPRET else ATTENTION           # (GPU: programs to fill it at batch 1, 4 kv heads)
     tile = t["sliding" if window else "fused" if fused else "full"]
     if window:
         NUM_SPLITS = tile["splits"]
