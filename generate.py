@@ -43,18 +43,28 @@ def prefill(model, cache, ids, start=0, chunk_size=PREFILL_CHUNK):
 @torch.inference_mode()
 def generate(model, cache, prompts, max_new_tokens, temperature, top_k, top_p, n_vocab=None, graph=True):
     """Prefill each prompt (lists of token ids) into its row of the cache, then decode all rows together, one
-    CUDA-graph replay per token on the GPU. Yields the sampled ids [B] (on the device) once per step; the caller
-    decides when to stop."""
+    CUDA-graph replay per token on the GPU. Yields the sampled ids [B] (a CPU tensor) once per step; the caller
+    decides when to stop. Each step is queued on the GPU before the ids of the one before are read back, so the
+    GPU never waits for the host between tokens (a step queued past the caller's stop writes one more cache slot,
+    which nothing reads)."""
     dev = model.device
-    step = flint.DecodeStep(model, cache, temperature, top_k, top_p, n_vocab, graph=graph and dev.type == "cuda")
+    cuda = dev.type == "cuda"
+    step = flint.DecodeStep(model, cache, temperature, top_k, top_p, n_vocab, graph=graph and cuda)
     logits = [prefill(model, cache.row(b), ids) for b, ids in enumerate(prompts)]   # lengths differ: one by one
     tok = step.sample(torch.cat(logits))                                # [B]
     pos = torch.tensor([len(ids) for ids in prompts], device=dev)       # [B] next position per row
+    host = torch.empty(len(prompts), dtype=torch.long, pin_memory=cuda)
+    copied = torch.cuda.Event() if cuda else None
     for i in range(max_new_tokens):
-        yield tok
+        host.copy_(tok, non_blocking=cuda)                              # (queued: waited for below)
+        if cuda:
+            copied.record()
         if i + 1 < max_new_tokens:
-            tok = step(tok, pos).clone()
-            pos += 1
+            tok = step(tok, pos)                                        # queued before this token is read back
+            pos += 1                                                    # (tok: the step's static output, copied
+        if cuda:                                                        # into its input before the next replay)
+            copied.synchronize()
+        yield host.clone()
 
 
 def read_prompts(args):
@@ -139,7 +149,7 @@ def main(args):
     t_first, done = None, [False] * len(ids)
     for t in generate(model, cache, ids, args.max_new_tokens, n_vocab=tok.n_vocab, graph=not args.no_graph,
                       **sampling):
-        t = t.tolist()                                                  # the only host sync per step
+        t = t.tolist()
         t_first = t_first or time.perf_counter()
         for b, tb in enumerate(t):
             if not done[b]:
