@@ -53,17 +53,17 @@ def generate(model, cache, prompts, max_new_tokens, temperature, top_k, top_p, n
     logits = [prefill(model, cache.row(b), ids) for b, ids in enumerate(prompts)]   # lengths differ: one by one
     tok = step.sample(torch.cat(logits))                                # [B]
     pos = torch.tensor([len(ids) for ids in prompts], device=dev)       # [B] next position per row
-    host = torch.empty(len(prompts), dtype=torch.long, pin_memory=cuda)
+    host = torch.empty(len(prompts), dtype=torch.long, pin_memory=cuda)   # the ids come back through it
     copied = torch.cuda.Event() if cuda else None
     for i in range(max_new_tokens):
-        host.copy_(tok, non_blocking=cuda)                              # (queued: waited for below)
+        host.copy_(tok, non_blocking=cuda)
         if cuda:
             copied.record()
-        if i + 1 < max_new_tokens:
-            tok = step(tok, pos)                                        # queued before this token is read back
-            pos += 1                                                    # (tok: the step's static output, copied
-        if cuda:                                                        # into its input before the next replay)
-            copied.synchronize()
+        if i + 1 < max_new_tokens:  # the next step, queued before this one's ids are read: tok becomes the step's
+            tok = step(tok, pos)    # static output, which the step copies into its input before replaying
+            pos += 1
+        if cuda:
+            copied.synchronize()                                        # (the copy only, not the step after it)
         yield host.clone()
 
 
