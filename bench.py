@@ -85,15 +85,27 @@ def timed(fn, dev, iters, graph=False):
     return statistics.median(times)
 
 
-def time_steps(step, B, ctx, dev, iters):
-    """Median seconds of one decode step at position ctx."""
+CHAIN = 16   # decode steps per timed run, queued back to back as generate.generate queues them
+
+
+def time_steps(step, B, ctx, dev, iters, chain=CHAIN):
+    """Median seconds of one decode step at position ctx, from runs of `chain` steps queued as generate.generate
+    queues them (each step's ids fed to the next, copied to the host without waiting, the positions advanced);
+    the cache holds ctx + chain slots."""
     ids = torch.randint(0, step.model.cfg.vocab_size, (B,), device=dev)
-    pos = torch.full((B,), ctx, device=dev)
-    return timed(lambda: step(ids, pos), dev, iters)
+    host = torch.empty(B, dtype=torch.long, pin_memory=dev.type == "cuda")
+
+    def run():
+        tok, pos = ids, torch.full((B,), ctx, device=dev)
+        for _ in range(chain):
+            tok = step(tok, pos)
+            host.copy_(tok, non_blocking=dev.type == "cuda")
+            pos += 1
+    return timed(run, dev, iters) / chain
 
 
 def random_cache(cfg, B, ctx, dev):
-    cache = flint.KVCache(cfg, B, ctx + 8, torch.bfloat16, dev)
+    cache = flint.KVCache(cfg, B, ctx + CHAIN, torch.bfloat16, dev)
     for k, v in zip(cache.k, cache.v):                                  # random contents, as a real cache has
         k.normal_()
         v.normal_()
@@ -162,7 +174,7 @@ def bench_config(model, cfg, weights, B, ctx, args, gemv_bw):
     for path in args.paths:
         model.decode_ops = flint.kernel_ops() if path == "fast" else flint.REFERENCE_OPS
         step = flint.DecodeStep(model, cache, 0.0, 0, 1.0, graph=path == "fast")
-        t = time_steps(step, B, ctx, dev, args.iters if path == "fast" else 3)
+        t = time_steps(step, B, ctx, dev, args.iters, CHAIN) if path == "fast" else time_steps(step, B, ctx, dev, 3, 1)
         del step
         row = dict(weights=weights, path=path, batch=B, context=ctx, tok_s=B / t, ms=t * 1e3,
                    gb=nbytes / 1e9, gbs=nbytes / t / 1e9, floor=nbytes / t / 1e9 / gemv_bw * 100)

@@ -693,13 +693,13 @@ def _attention_decode_kernel(
 
 
 @triton.jit
-def _combine(m_ptr, l_ptr, acc_ptr, sinks_ptr, b, h, H: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-             SPLITS_PAD: tl.constexpr):
-    """Head h of row b from its splits' partials, fp32 [D]: o = sum_s acc_s 2^(m_s - M) / (sum_s l_s 2^(m_s - M) +
-    e^(sink - M')), M = max(m_s, sink)."""
+def _combine(m_ptr, l_ptr, acc_ptr, sinks_ptr, b, h, d0, H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+             NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """Dims d0 .. d0 + BLOCK_D - 1 of head h of row b from its splits' partials, fp32 [BLOCK_D]: o = sum_s acc_s
+    2^(m_s - M) / (sum_s l_s 2^(m_s - M) + e^(sink - M')), M = max(m_s, sink)."""
     offs_s = tl.arange(0, SPLITS_PAD)
     smask = offs_s < NUM_SPLITS
-    offs_d = tl.arange(0, D)
+    offs_d = d0 + tl.arange(0, BLOCK_D)
     part = (b * H + h) * NUM_SPLITS + offs_s
     m = tl.load(m_ptr + part, mask=smask, other=float("-inf"))
     l = tl.load(l_ptr + part, mask=smask, other=0.0)
@@ -713,13 +713,13 @@ def _combine(m_ptr, l_ptr, acc_ptr, sinks_ptr, b, h, H: tl.constexpr, D: tl.cons
 
 @triton.jit
 def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, o_ptr,
-                              H: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                              PDL: tl.constexpr):
-    """Program (row b, head h): the attention output o [B, H * D] bf16."""
-    b, h = tl.program_id(0), tl.program_id(1)
+                              H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                              SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
+    """Program (row b, head h, block of BLOCK_D dims): the attention output o [B, H * D] bf16."""
+    b, h, d0 = tl.program_id(0), tl.program_id(1), tl.program_id(2) * BLOCK_D
     _pdl_wait(PDL)
-    o = _combine(m_ptr, l_ptr, acc_ptr, sinks_ptr, b, h, H, D, NUM_SPLITS, SPLITS_PAD)
-    tl.store(o_ptr + (b * H + h) * D + tl.arange(0, D), _to_bf16(o))
+    o = _combine(m_ptr, l_ptr, acc_ptr, sinks_ptr, b, h, d0, H, D, BLOCK_D, NUM_SPLITS, SPLITS_PAD)
+    tl.store(o_ptr + (b * H + h) * D + d0 + tl.arange(0, BLOCK_D), _to_bf16(o))
 
 
 @triton.jit
@@ -744,7 +744,7 @@ def _attention_o_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, w_ptr, s_ptr, rs_ptr, 
         d = tl.arange(0, D)
         w = _load_f32(w_ptr + offs_n[:, None] * (H * D) + h * D + d[None, :], nmask[:, None])
     _pdl_wait(PDL)
-    o = _round_bf16(_combine(m_ptr, l_ptr, acc_ptr, sinks_ptr, b, h, H, D, NUM_SPLITS, SPLITS_PAD))
+    o = _round_bf16(_combine(m_ptr, l_ptr, acc_ptr, sinks_ptr, b, h, 0, H, D, D, NUM_SPLITS, SPLITS_PAD))
     if NVFP4:
         o_even, o_odd = tl.split(tl.reshape(o, [D // 2, 2]))
         w_lo, w_hi = _e2m1_pair(byte)
@@ -773,13 +773,17 @@ def _attention_o_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, w_ptr, s_ptr, rs_ptr, 
 #   batch 1 / 8: 29.64 / 152.74 with 4 warps against 37.23 / 207.39 with 8; H200, 2026-12-05, NVFP4 at 520 slots
 #   9.95-10.23 against 10.53-10.68 for 32 splits and 3 stages; H100, 2026-12-05: with the full kind's tiles NVFP4
 #   batch 1 measured 4K / 32K 497.7-500.5 / 439.3-442.4 against 546.8-547.3 / 470.1-471.0 tok/s.
+# The combine launch (apart from o_proj) takes one program per combine_d dims of a head (default: all D). Full
+# layers with 32: H200, 2026-12-06, whole bf16 steps at batch 1 (.dev/ab.py, two rounds of chained steps, tok/s) at
+# 512 / 4K / 32K 494.9-494.8 / 490.0-491.6 / 439.2-439.6 against 492.7-500.4 / 486.7-488.8 / 438.0-438.8 with
+# whole heads; H100 at 4K 411.6-411.7 against 409.7-410.5.
 ATTENTION = dict(sliding=dict(splits=32, block=32, warps=8, stages=3),
-                 full=dict(min_splits=128, block=32, warps=2, stages=2),
+                 full=dict(min_splits=128, block=32, warps=2, stages=2, combine_d=32),
                  fused=dict(min_splits=32, block=64, warps=4, stages=3),
                  keys_per_split=1024, min_keys=32, short_stages=2, programs=512)
 _SMALL = dict(splits=2, min_splits=4, block=16, warps=4, stages=1)  # the interpreter runs programs one by one
-ATTENTION_INTERPRETER = dict(sliding=_SMALL, full=_SMALL, fused=_SMALL, keys_per_split=16, min_keys=8, short_stages=1,
-                             programs=8)
+ATTENTION_INTERPRETER = dict(sliding=_SMALL, full=dict(_SMALL, combine_d=8), fused=_SMALL, keys_per_split=16,
+                             min_keys=8, short_stages=1, programs=8)
 # The splits' combine inside o_proj (_attention_o_kernel) instead of a combine launch and the o_proj GEMV: rows per
 # program and warps by weight format (None: apart), for up to O_FUSED_ROWS rows. H200, 2026-12-03, us per layer at
 # batch 1, attention + o_proj on sliding / full layers at 512, each over all its layers in one CUDA graph: NVFP4
@@ -839,8 +843,10 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
         num_stages=stages, launch_pdl=pdl > 0)
     if not fused:
         o = torch.empty(B, H * D, device=qkv.device, dtype=torch.bfloat16)
-        _attention_combine_kernel[(B, H)](m, l, acc, sinks, o, H=H, D=D, NUM_SPLITS=NUM_SPLITS, SPLITS_PAD=SPLITS_PAD,
-                                          PDL=pdl, num_warps=4, launch_pdl=pdl > 0)
+        BLOCK_D = min(D, tile.get("combine_d", D))
+        _attention_combine_kernel[(B, H, D // BLOCK_D)](
+            m, l, acc, sinks, o, H=H, D=D, BLOCK_D=BLOCK_D, NUM_SPLITS=NUM_SPLITS, SPLITS_PAD=SPLITS_PAD,
+            PDL=pdl, num_warps=4 if BLOCK_D == D else max(1, SPLITS_PAD * BLOCK_D // 4096), launch_pdl=pdl > 0)
         return o if w_o is None else linear(o, w_o)
     BLOCK_N, warps = (16, 4) if INTERPRET else ATTENTION_O[nvfp4]
     _attention_o_kernel[(H, triton.cdiv(C, BLOCK_N), B)](

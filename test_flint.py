@@ -1253,7 +1253,8 @@ def test_attention_decode_kernel(window, S, H, G, monkeypatch):
     """Positions before, at and past the ring's wrap, two rows at different positions, GQA groups 1..4; a ring of
     40 slots takes two key steps per split (the interpreter's 2 splits of 16-key steps). The attention output
     alone, and through o_proj (bf16 and NVFP4, 48 rows: three blocks of the interpreter's 16), whose fixed-point
-    sums read as bf16 (the o_proj outputs) must be close to the reference's."""
+    sums read as bf16 (the o_proj outputs) must be close to the reference's. Apart from o_proj, the combine launch
+    takes whole heads and blocks of their dims."""
     B, D, C = 2, 32, 48
     cfg = flint.Config(rope_theta=10000.0, head_dim=D)
     cos, sin = flint.rope_table(cfg, max(64, 2 * S + 8), DEV)
@@ -1264,9 +1265,12 @@ def test_attention_decode_kernel(window, S, H, G, monkeypatch):
         qkv = rand_act(B, (H + 2 * G) * D, seed=10 + step)
         kc, vc = rand_act(B, S, G, D, seed=20 + step), rand_act(B, S, G, D, seed=30 + step)
         w_o = [None, rand_weight(C, H * D, seed=step), rand_weight(C, H * D, nvfp4=True, seed=step), None][step]
-        for fused in ((False, True) if w_o is not None else (False,)):   # combine in o_proj, or apart
+        tiles = kernels.ATTENTION_INTERPRETER if kernels.INTERPRET else kernels.ATTENTION
+        for fused, combine_d in [(False, 8), (False, D)] + [(True, D)] * (w_o is not None):
             monkeypatch.setattr(kernels, "ATTENTION_O", {False: (16, 4) if fused else None, True: (16, 4) if fused
                                                          else None})
+            for kind in ("sliding", "full"):
+                monkeypatch.setitem(tiles[kind], "combine_d", combine_d)
             monkeypatch.setattr(kernels, "O_FUSED_ROWS", B)
             k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
             got = kernels.attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k1, v1, pos, window, 1e-6, w_o)
