@@ -4,9 +4,9 @@ python bench.py                      # BF16 and NVFP4: decode at batch 1/8/64, c
                                      # 512, 8K, 32K and 128K-token prompts; fast vs reference path
 
 Decode: measures the two bandwidth floors first (device copy, large GEMV read), then per configuration the median
-time of CUDA-graph replays of one decode step (fast path) or of eager steps (plain-torch reference path), and
-reports tok/s, ms per step, the bytes a step must read (active weights + KV cache), achieved GB/s and its share of
-the measured floor. Prefill: time to first token of one prompt (chunked prefill + sampling the first token; the
+time of a decode step, from runs of CHAIN CUDA-graph replays queued as generate.py queues them (fast path) or from
+eager steps (plain-torch reference path), and reports tok/s, ms per step, the bytes a step must read (active
+weights + KV cache), achieved GB/s and its share of the measured floor. Prefill: time to first token of one prompt (chunked prefill + sampling the first token; the
 fast path after a warm-up that compiles its kernels), prompt tok/s, and peak GPU memory. --breakdown: where the
 fast decode step's time goes, op by op (see breakdown). Prints markdown tables last.
 
@@ -174,7 +174,8 @@ def bench_config(model, cfg, weights, B, ctx, args, gemv_bw):
     for path in args.paths:
         model.decode_ops = flint.kernel_ops() if path == "fast" else flint.REFERENCE_OPS
         step = flint.DecodeStep(model, cache, 0.0, 0, 1.0, graph=path == "fast")
-        t = time_steps(step, B, ctx, dev, args.iters, CHAIN) if path == "fast" else time_steps(step, B, ctx, dev, 3, 1)
+        fast = path == "fast"                                           # (eager reference steps take ~0.2 s)
+        t = time_steps(step, B, ctx, dev, args.iters if fast else 3, CHAIN if fast else 1)
         del step
         row = dict(weights=weights, path=path, batch=B, context=ctx, tok_s=B / t, ms=t * 1e3,
                    gb=nbytes / 1e9, gbs=nbytes / t / 1e9, floor=nbytes / t / 1e9 / gemv_bw * 100)
@@ -281,7 +282,7 @@ if __name__ == "__main__":
     p.add_argument("--paths", nargs="+", default=["fast", "reference"], choices=["fast", "reference"])
     p.add_argument("--breakdown", action="store_true",
                    help="also time each op of the fast decode step alone, per batch and context")
-    p.add_argument("--iters", type=int, default=50, help="timed graph replays per configuration")
+    p.add_argument("--iters", type=int, default=50, help="timed runs (of 16 graph replays) per configuration")
     p.add_argument("--prefill", nargs="*", type=int, default=[512, 8192, 32768, 131072],
                    help="prompt lengths for the prefill benchmark (none: skip it)")
     p.add_argument("--chunk", type=int, default=PREFILL_CHUNK, help="prefill chunk size")
