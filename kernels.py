@@ -846,7 +846,7 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
         BLOCK_D = min(D, tile.get("combine_d", D))
         _attention_combine_kernel[(B, H, D // BLOCK_D)](
             m, l, acc, sinks, o, H=H, D=D, BLOCK_D=BLOCK_D, NUM_SPLITS=NUM_SPLITS, SPLITS_PAD=SPLITS_PAD,
-            PDL=pdl, num_warps=4 if BLOCK_D == D else max(1, SPLITS_PAD * BLOCK_D // 4096), launch_pdl=pdl > 0)
+            PDL=pdl, num_warps=4 if BLOCK_D == D else 1, launch_pdl=pdl > 0)
         return o if w_o is None else linear(o, w_o)
     BLOCK_N, warps = (16, 4) if INTERPRET else ATTENTION_O[nvfp4]
     _attention_o_kernel[(H, triton.cdiv(C, BLOCK_N), B)](
