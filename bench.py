@@ -6,8 +6,9 @@ python bench.py                      # BF16 and NVFP4: decode at batch 1/8/64, c
 Decode: measures the two bandwidth floors first (device copy, large GEMV read), then per configuration the median
 time of a decode step, from runs of CHAIN CUDA-graph replays queued as generate.py queues them (fast path) or from
 eager steps (plain-torch reference path), and reports tok/s, ms per step, the bytes a step must read (active
-weights + KV cache), achieved GB/s and its share of the measured floor. Prefill: time to first token of one prompt (chunked prefill + sampling the first token; the
-fast path after a warm-up that compiles its kernels), prompt tok/s, and peak GPU memory. --breakdown: where the
+weights + KV cache), achieved GB/s and its share of the measured floor. Prefill: time to first token of one prompt
+(chunked prefill + sampling the first token; the fast path after a warm-up that compiles its kernels), prompt
+tok/s, and peak GPU memory. --breakdown: where the
 fast decode step's time goes, op by op (see breakdown). Prints markdown tables last.
 
 python bench.py --weights bf16 --paths fast --batch 1 --context 512 --prefill --breakdown   # one breakdown
@@ -92,14 +93,15 @@ def time_steps(step, B, ctx, dev, iters, chain=CHAIN):
     """Median seconds of one decode step at position ctx, from runs of `chain` steps queued as generate.generate
     queues them (each step's ids fed to the next, copied to the host without waiting, the positions advanced);
     the cache holds ctx + chain slots."""
+    cuda = dev.type == "cuda"
     ids = torch.randint(0, step.model.cfg.vocab_size, (B,), device=dev)
-    host = torch.empty(B, dtype=torch.long, pin_memory=dev.type == "cuda")
+    host = torch.empty(B, dtype=torch.long, pin_memory=cuda)
 
     def run():
         tok, pos = ids, torch.full((B,), ctx, device=dev)
         for _ in range(chain):
             tok = step(tok, pos)
-            host.copy_(tok, non_blocking=dev.type == "cuda")
+            host.copy_(tok, non_blocking=cuda)
             pos += 1
     return timed(run, dev, iters) / chain
 
