@@ -8,8 +8,8 @@ time of a decode step, from runs of CHAIN CUDA-graph replays queued as generate.
 eager steps (plain-torch reference path), and reports tok/s, ms per step, the bytes a step must read (active
 weights + KV cache), achieved GB/s and its share of the measured floor. Prefill: time to first token of one prompt
 (chunked prefill + sampling the first token; the fast path after a warm-up that compiles its kernels), prompt
-tok/s, and peak GPU memory. --breakdown: where the
-fast decode step's time goes, op by op (see breakdown). Prints markdown tables last.
+tok/s, and peak GPU memory. --breakdown: where the fast decode step's time goes, op by op (see breakdown). Prints
+markdown tables last.
 
 python bench.py --weights bf16 --paths fast --batch 1 --context 512 --prefill --breakdown   # one breakdown
 """
