@@ -91,18 +91,16 @@ CHAIN = 16   # decode steps per timed run, queued back to back as generate.gener
 
 def time_steps(step, B, ctx, dev, iters, chain=CHAIN):
     """Median seconds of one decode step at position ctx, from runs of `chain` steps queued as generate.generate
-    queues them (each step's ids fed to the next, copied to the host without waiting, the positions advanced);
-    the cache holds ctx + chain slots."""
+    queues them (each step going on from the one before, its ids copied to the host without waiting); the cache
+    holds ctx + chain slots."""
     cuda = dev.type == "cuda"
     ids = torch.randint(0, step.model.cfg.vocab_size, (B,), device=dev)
+    pos = torch.full((B,), ctx, device=dev)
     host = torch.empty(B, dtype=torch.long, pin_memory=cuda)
 
     def run():
-        tok, pos = ids, torch.full((B,), ctx, device=dev)
-        for _ in range(chain):
-            tok = step(tok, pos)
-            host.copy_(tok, non_blocking=cuda)
-            pos += 1
+        for i in range(chain):
+            host.copy_(step() if i else step(ids, pos), non_blocking=cuda)
     return timed(run, dev, iters) / chain
 
 

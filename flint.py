@@ -267,6 +267,15 @@ def add_norm_swiglu_ref(x, dx, norm_w, gate_up, eps):
     return x, swiglu_ref(linear_ref(h, gate_up))
 
 
+def greedy_next_ref(logits, n, ids, pos):
+    """Greedy decoding's last op, which also sets up the next step: ids [B, 1] = the index of the largest of the
+    first n fp32 logits [B, V] of each row (the first one on ties, as torch.argmax), pos [B, 1] += 1, in place.
+    Returns ids [B]."""
+    ids.copy_(logits[:, :n].argmax(-1, keepdim=True))
+    pos.add_(1)
+    return ids[:, 0]
+
+
 def attention_decode_ref(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos, window, eps, w_o):
     """One new token per sequence: qkv [B, (H+2G)D] -> o_proj(o) [B, C] (o [B, H*D] itself if w_o is None). q/k
     RMSNorm per head, RoPE on sliding layers (window > 0; cos/sin are the [n, D/2] tables), store k, v at slot
@@ -344,7 +353,8 @@ def weight_factory(dtype, device, nvfp4=()):
 
 REFERENCE_OPS = SimpleNamespace(add_norm_linear=add_norm_linear_ref, add_norm_swiglu=add_norm_swiglu_ref,
                                 linear=linear_ref, attention_decode=attention_decode_ref, moe_experts=moe_experts_ref,
-                                qk_norm_rope=qk_norm_rope_ref, sink_attention=sink_attention_ref)
+                                qk_norm_rope=qk_norm_rope_ref, sink_attention=sink_attention_ref,
+                                greedy_next=greedy_next_ref)
 
 
 MAX_DECODE_BATCH = 64  # sequences per decode step (benchmarked and tested up to here)
@@ -631,9 +641,10 @@ class KVCache:
 class DecodeStep:
     """next ids [B] = sample(model(ids [B], pos [B])) for the B sequences of `cache`, replayed from a CUDA graph.
 
-    Everything the step reads lives in static buffers (ids, positions, the cache, the rope table), so a step is
-    two small copies and one replay. The warm-up steps (which also compile the Triton kernels) write slot 0 of
-    the cache, which is restored afterwards. graph=False runs the same step eagerly."""
+    Everything the step reads lives in static buffers (ids, positions, the cache, the rope table), and the step
+    itself writes the ids it samples and the positions + 1 there: a step is one replay, and the next one can be
+    queued at once. The warm-up steps (which also compile the Triton kernels) write slot 0 of the cache, which is
+    restored afterwards. graph=False runs the same step eagerly."""
 
     def __init__(self, model, cache, temperature, top_k, top_p, n_vocab=None, graph=True):
         self.model, self.cache, self.graph = model, cache, None
@@ -642,12 +653,12 @@ class DecodeStep:
         self.ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(B, 1, dtype=torch.long, device=dev)
         slot0 = [t[:, 0].clone() for t in cache.k + cache.v]
-        self.out = self._step()                                          # warm-up (and rope table)
+        self.out = self._warm_up()                                       # (and the rope table)
         if graph:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):                              # warmup on a side stream, as torch asks
-                self._step()
+                self._warm_up()
             torch.cuda.current_stream().wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):                           # capture
@@ -655,8 +666,18 @@ class DecodeStep:
         for t, saved in zip(cache.k + cache.v, slot0):
             t[:, 0] = saved
 
+    def _warm_up(self):
+        self.ids.zero_()
+        self.pos.zero_()                                                 # (a step advances it)
+        return self._step()
+
     def _step(self):
-        return self.sample(self.model(self.ids, self.pos, self.cache)[:, -1])
+        logits = self.model(self.ids, self.pos, self.cache)[:, -1]
+        if self.sampling[0] == 0:                                        # greedy: one op (a kernel on the GPU)
+            return self.model.decode_ops.greedy_next(logits, self.n_vocab or logits.shape[-1], self.ids, self.pos)
+        self.ids.copy_(self.sample(logits)[:, None])
+        self.pos.add_(1)
+        return self.ids[:, 0]
 
     def sample(self, logits):
         """Next ids [B] from fp32 logits [B, V] with this step's sampling settings."""
@@ -664,10 +685,12 @@ class DecodeStep:
             logits[:, self.n_vocab:] = float("-inf")                     # ids the tokenizer cannot decode
         return sample(logits, *self.sampling)
 
-    def __call__(self, ids, pos):
-        """ids, pos [B] on the device -> sampled next ids [B] (a static buffer: copy it to keep it)."""
-        self.ids.copy_(ids[:, None])
-        self.pos.copy_(pos[:, None])
+    def __call__(self, ids=None, pos=None):
+        """The next ids [B] (a static buffer, the next step's input: copy it to keep it). ids, pos [B] on the device
+        set the step's input; without them it goes on from the step before."""
+        if ids is not None:
+            self.ids.copy_(ids[:, None])
+            self.pos.copy_(pos[:, None])
         if self.graph is None:
             self.out = self._step()
         else:

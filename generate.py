@@ -59,9 +59,8 @@ def generate(model, cache, prompts, max_new_tokens, temperature, top_k, top_p, n
         host.copy_(tok, non_blocking=cuda)
         if cuda:
             copied.record()
-        if i + 1 < max_new_tokens:  # the next step, queued before this one's ids are read: tok becomes the step's
-            tok = step(tok, pos)    # static output, which the step copies into its input before replaying
-            pos += 1
+        if i + 1 < max_new_tokens:  # the next step, queued before this one's ids are read: it starts at tok, pos
+            tok = step() if i else step(tok, pos)   # then goes on from its own output (its static input buffer)
         if cuda:
             copied.synchronize()                                        # (the copy only, not the step after it)
         yield host.clone()

@@ -785,12 +785,14 @@ _SMALL = dict(splits=2, min_splits=4, block=16, warps=4, stages=1)  # the interp
 ATTENTION_INTERPRETER = dict(sliding=_SMALL, full=dict(_SMALL, combine_d=8), fused=_SMALL, keys_per_split=16,
                              min_keys=8, short_stages=1, programs=8)
 # The splits' combine inside o_proj (_attention_o_kernel) instead of a combine launch and the o_proj GEMV: rows per
-# program and warps by weight format (None: apart), for up to O_FUSED_ROWS rows. H200, 2026-12-03, us per layer at
-# batch 1, attention + o_proj on sliding / full layers at 512, each over all its layers in one CUDA graph: NVFP4
-# 9.72 / 11.00 fused against 12.30 / 13.61 apart; bf16 at best 12.35 / 14.39 against 13.24 / 14.20, while the
-# router's norm reads the int64 sums in 3.60 against 2.71 us, so bf16 stays apart. At batch 8 fused is slower
-# (NVFP4 35.3 / 33.0 against 33.3 / 30.9 us).
-ATTENTION_O = {False: None, True: (64, 2)}
+# program and warps by weight format and kind of layer (None: apart), for up to O_FUSED_ROWS rows. H200, 2026-12-03, us
+# per layer at batch 1, attention + o_proj on sliding / full layers at 512, each over all its layers in one CUDA graph:
+# NVFP4 9.72 / 11.00 fused against 12.30 / 13.61 apart; bf16 at best 12.35 / 14.39 against 13.24 / 14.20, while the
+# router's norm reads the int64 sums in 3.60 against 2.71 us. So bf16 stays apart: in whole steps (H100, 2026-12-06,
+# .dev/ab.py, batch 1, tok/s at 512 / 4K) with the sliding layers fused, (32, 2) 395.8-398.4 / 393.9-395.2 and (64, 2)
+# 392.6-392.9 / 388.9-389.3 against 419.3-427.7 / 414.7-415.5, whatever the o kernel's PDL (0, 1, 2: 393.6-398.6);
+# all layers fused 388.1-388.6 / 371.4-371.5. At batch 8 fused is slower (NVFP4 35.3 / 33.0 against 33.3 / 30.9 us).
+ATTENTION_O = {(False, "sliding"): None, (False, "full"): None, (True, "sliding"): (64, 2), (True, "full"): (64, 2)}
 O_FUSED_ROWS = 1
 
 
@@ -806,7 +808,8 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
     assert pos.shape == (B,) and sinks.dtype == torch.float32 and cos.dtype == torch.float32
     assert not window or S <= window, f"a sliding layer's ring holds at most {window} slots, got {S}"
     wp, sp, rsp, nvfp4 = _weight_args(w_o) if w_o is not None else (None, None, None, False)
-    fused = w_o is not None and ATTENTION_O[nvfp4] is not None and B <= O_FUSED_ROWS
+    o_tile = ATTENTION_O[nvfp4, "sliding" if window else "full"] if w_o is not None else None
+    fused = o_tile is not None and B <= O_FUSED_ROWS
     t = ATTENTION_INTERPRETER if INTERPRET else ATTENTION           # (GPU: programs to fill it at batch 1, 4 kv heads)
     tile = t["sliding" if window else "fused" if fused else "full"]
     if window:
@@ -848,7 +851,7 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
             m, l, acc, sinks, o, H=H, D=D, BLOCK_D=BLOCK_D, NUM_SPLITS=NUM_SPLITS, SPLITS_PAD=SPLITS_PAD,
             PDL=pdl, num_warps=4 if BLOCK_D == D else 1, launch_pdl=pdl > 0)
         return o if w_o is None else linear(o, w_o)
-    BLOCK_N, warps = (16, 4) if INTERPRET else ATTENTION_O[nvfp4]
+    BLOCK_N, warps = (16, 4) if INTERPRET else o_tile
     _attention_o_kernel[(H, triton.cdiv(C, BLOCK_N), B)](
         m, l, acc, sinks, wp, sp, rsp, out, C,
         H=H, D=D, NUM_SPLITS=NUM_SPLITS, SPLITS_PAD=SPLITS_PAD, NVFP4=nvfp4, BLOCK_N=BLOCK_N, PDL=pdl,
@@ -1303,6 +1306,57 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
         I=I, E=E, A=top_k, J=J, J_PAD=triton.next_power_of_2(J), NORM_TOPK=norm_topk_prob, NVFP4=nvfp4,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PDL=pdl, num_warps=warps, launch_pdl=pdl > 0)
     return out
+
+
+# -----------------------------------------------------------------------------
+# greedy_next: the argmax of the logits, written as the next decode step's input
+
+
+_INT64_MIN = tl.constexpr(-2**63)
+_GREEDY_STATE = {}      # device -> (best, count) per row, as _greedy_kernel leaves them: INT64_MIN, 0
+GREEDY_BLOCK = 64 if INTERPRET else 2048
+
+
+@triton.jit
+def _greedy_kernel(logits_ptr, ids_ptr, pos_ptr, best_ptr, count_ptr, n, stride_l,
+                   PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Program (row b, block p of BLOCK logits): the block's largest logit and its first index, packed into an
+    int64 that orders like (value, then the lower index first), max-ed into best[b]. The row's last program to
+    finish (its ticket from count[b]) takes the row's pick, leaves best[b] and count[b] as the launch found them,
+    and writes ids[b] = pick, pos[b] += 1."""
+    b, p = tl.program_id(0), tl.program_id(1)
+    offs = p * BLOCK + tl.arange(0, BLOCK)
+    _pdl_wait(PDL)
+    x = tl.load(logits_ptr + b * stride_l + offs, mask=offs < n, other=float("-inf"))
+    m, i = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
+    bits = tl.where(m == 0.0, 0.0, m).to(tl.int32, bitcast=True)      # (-0 taken as +0)
+    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)            # negative: magnitude bits flipped
+    tl.atomic_max(best_ptr + b, (key << 32) | (0xFFFFFFFF - (p * BLOCK + i).to(tl.int64)), sem="relaxed")
+    if tl.atomic_add(count_ptr + b, 1, sem="acq_rel") == PROGRAMS - 1:  # (after every max of the row)
+        best = tl.atomic_xchg(best_ptr + b, _INT64_MIN, sem="relaxed")
+        tl.store(count_ptr + b, 0)
+        tl.store(ids_ptr + b, 0xFFFFFFFF - (best & 0xFFFFFFFF))
+        tl.store(pos_ptr + b, tl.load(pos_ptr + b) + 1)
+
+
+def greedy_next(logits, n, ids, pos):
+    """fp32 logits [B, V]: ids [B, 1] = the argmax of each row's first n logits (the first on ties), pos [B, 1]
+    += 1, as greedy_next_ref, in one launch. Returns ids [B]."""
+    B, V = logits.shape
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1 and 0 < n <= V
+    assert ids.shape == pos.shape == (B, 1) and ids.dtype == pos.dtype == torch.int64
+    state = _GREEDY_STATE.get(logits.device)
+    if state is None or state[0].numel() < B:
+        assert not (logits.is_cuda and torch.cuda.is_current_stream_capturing()), \
+            "greedy_next: run it once before capturing it in a CUDA graph"
+        rows = max(B, 64)
+        state = _GREEDY_STATE[logits.device] = (torch.full((rows,), -2**63, dtype=torch.int64, device=logits.device),
+                                                torch.zeros(rows, dtype=torch.int32, device=logits.device))
+    pdl = _pdl(logits, False)
+    programs = triton.cdiv(n, GREEDY_BLOCK)
+    _greedy_kernel[(B, programs)](logits, ids, pos, *state, n, logits.stride(0), PROGRAMS=programs,
+                                  BLOCK=GREEDY_BLOCK, PDL=pdl, num_warps=4, launch_pdl=pdl > 0)
+    return ids[:, 0]
 
 
 # -----------------------------------------------------------------------------

@@ -1267,8 +1267,8 @@ def test_attention_decode_kernel(window, S, H, G, monkeypatch):
         w_o = [None, rand_weight(C, H * D, seed=step), rand_weight(C, H * D, nvfp4=True, seed=step), None][step]
         tiles = kernels.ATTENTION_INTERPRETER if kernels.INTERPRET else kernels.ATTENTION
         for fused, combine_d in [(False, 8), (False, D)] + [(True, D)] * (w_o is not None):
-            monkeypatch.setattr(kernels, "ATTENTION_O", {False: (16, 4) if fused else None, True: (16, 4) if fused
-                                                         else None})
+            monkeypatch.setattr(kernels, "ATTENTION_O", {(nvfp4, kind): (16, 4) if fused else None
+                                                         for nvfp4 in (False, True) for kind in ("sliding", "full")})
             for kind in ("sliding", "full"):
                 monkeypatch.setitem(tiles[kind], "combine_d", combine_d)
             monkeypatch.setattr(kernels, "O_FUSED_ROWS", B)
@@ -1427,6 +1427,8 @@ def compile_kernels_for_sm90():
         kernels.sink_attention(bf(1, 256, H, D), bf(1, 512, G, D), bf(1, 512, G, D), torch.zeros(H), q_pos, k_pos,
                                window)
     kernels.add_rms_norm(bf(256, C), bf(256, C), bf(C), 1e-6)
+    for B in (1, 64):
+        kernels.greedy_next(torch.empty(B, cfg.vocab_size), cfg.vocab_size, *torch.zeros(2, B, 1, dtype=torch.long))
     q, k, _ = bf(1, 256, H + 2 * G, D).split([H, G, G], dim=2)
     kernels.qk_norm_rope(q, k, bf(D), bf(D), cos[None, :256], sin[None, :256], 1e-6)
     for b in builds:
@@ -1461,6 +1463,30 @@ def test_route_kernel(norm):
     w_ref, e_ref = flint.route_ref(logits, 3, norm)
     assert torch.equal(e, e_ref) and w.dtype == w_ref.dtype
     assert ((w.float() - w_ref.float()).abs() <= w_ref.float().abs() * 2**-7).all()
+
+
+def test_greedy_next_kernel():
+    """Greedy decoding's last op: the same ids as greedy_next_ref (ties across and within blocks: the first index;
+    -0 and +0 tie; all -inf; the first n logits only; the row's largest logit past n ignored), the positions
+    advanced, and launch after launch (the kernel resets its own state)."""
+    g = torch.Generator().manual_seed(0)
+    B, V, n = 5, 7 * kernels.GREEDY_BLOCK + 3, 6 * kernels.GREEDY_BLOCK + 5
+    for launch in range(3):
+        logits = torch.randn(B, V, generator=g)
+        logits[0, [kernels.GREEDY_BLOCK + 1, 3 * kernels.GREEDY_BLOCK, 3 * kernels.GREEDY_BLOCK + 1]] = 9.0
+        logits[1, n:] = 99.0                                            # past n: never picked
+        logits[2] = float("-inf")
+        logits[3] = 0.0
+        logits[3, :n // 2] = -0.0
+        logits[4, 5 * kernels.GREEDY_BLOCK + launch] = 50.0             # a different pick each launch
+        logits = logits.to(DEV)
+        ids, pos = torch.full((B, 1), -1, device=DEV), torch.arange(B, device=DEV)[:, None] * 100 + launch
+        want_ids, want_pos = ids.clone(), pos.clone()
+        got = kernels.greedy_next(logits, n, ids, pos)
+        want = flint.greedy_next_ref(logits, n, want_ids, want_pos)
+        assert torch.equal(got, want) and torch.equal(ids, want_ids) and torch.equal(pos, want_pos), (got, want)
+        assert got.tolist()[:4] == [kernels.GREEDY_BLOCK + 1, got[1].item(), 0, 0]
+        assert got[1] < n and got[4] == 5 * kernels.GREEDY_BLOCK + launch
 
 
 def test_prompt_norm_kernels():
