@@ -416,10 +416,13 @@ def _block_b(B, dot=False):
 # it routes the token and loads its weights before the PDL wait (H100s, 2026-12-05, .dev/dr_ab.py, 25 layers, router
 # + experts us per layer / whole steps at 512 tok/s, four alternated rounds): (1, 512, 1) 21.05-22.20 / 688-731
 # against (1, 512, 2) 22.04-23.70 / 709-712, (2, 512, 1) and (2, 512, 2) no faster; the recorded experts read after
-# the wait (before) 23.52-24.07 / 677-716, with (1, 512, 1) 22.96-23.51 / 677-691.
+# the wait (before) 23.52-24.07 / 677-716, with (1, 512, 1) 22.96-23.51 / 677-691. Plain GEMVs of one bf16 row (o_proj,
+# the router, the dense down) swept again in whole steps with PDL (.dev/ab.py, batch 1 at 4K, alternated rounds, tok/s):
+# H100, 2026-12-06, three rounds: (2, 2048, 4) 419.7-420.1 against 414.9-415.3 with the (2, 4096, 8) swept alone
+# before PDL; (4, 2048, 4) 419.3-420.4, (1, 2048, 4) 418.2, (2, 2048, 8) 416.5, (2, 1024, 4) 410.5.
 TILES = {
     # kernel      rows  nvfp4
-    ("gemv",         1, False): (2, 4096, 8),
+    ("gemv",         1, False): (2, 2048, 4),
     ("gemv",         1, True): (4, 2048, 4),
     ("gemv_norm",    1, False): (16, 1024, 4),
     ("gemv_norm",    1, True): (8, 2048, 8),
