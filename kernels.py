@@ -8,6 +8,7 @@
   of o_proj to int64 fixed-point sums, which the next norm reads (exact sums: any order gives the same bits).
 - moe_experts: sigmoid top-k routing + gate/up + SwiGLU of the selected experts and the shared expert in one
   launch, then down + weighted combine + shared add in one launch.
+- greedy_next: the argmax of the logits, written with the positions + 1 as the next decode step's input.
 Prompt chunks (flint.prefill_ops):
 - sink_attention: flash attention with sinks over keys named by their positions, causal and sliding-window.
 - experts: the routed experts of many tokens as grouped GEMMs over tokens sorted by expert.
@@ -1316,7 +1317,8 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
 
 
 _INT64_MIN = tl.constexpr(-2**63)
-_GREEDY_STATE = {}      # device -> (best, count) per row, as _greedy_kernel leaves them: INT64_MIN, 0
+_GREEDY_STATE = {}      # device -> (best, count) per row, as _greedy_kernel leaves them: INT64_MIN, 0 (shared: one
+                        # launch at a time per device, as the decode steps of one stream run)
 GREEDY_BLOCK = 64 if INTERPRET else 2048
 
 
@@ -1348,6 +1350,7 @@ def greedy_next(logits, n, ids, pos):
     B, V = logits.shape
     assert logits.dtype == torch.float32 and logits.stride(1) == 1 and 0 < n <= V
     assert ids.shape == pos.shape == (B, 1) and ids.dtype == pos.dtype == torch.int64
+    assert ids.is_contiguous() and pos.is_contiguous()
     state = _GREEDY_STATE.get(logits.device)
     if state is None or state[0].numel() < B:
         assert not (logits.is_cuda and torch.cuda.is_current_stream_capturing()), \
