@@ -780,14 +780,16 @@ def _attention_o_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, w_ptr, s_ptr, rs_ptr, 
 # The combine launch (apart from o_proj) takes one program per combine_d dims of a head (default: all D). Full
 # layers with 32: H200, 2026-12-06, whole bf16 steps at batch 1 (.dev/ab.py, two rounds of chained steps, tok/s) at
 # 512 / 4K / 32K 494.9-494.8 / 490.0-491.6 / 439.2-439.6 against 492.7-500.4 / 486.7-488.8 / 438.0-438.8 with
-# whole heads; H100 at 4K 411.6-411.7 against 409.7-410.5.
-ATTENTION = dict(sliding=dict(splits=32, block=32, warps=8, stages=3),
+# whole heads; H100 at 4K 411.6-411.7 against 409.7-410.5. Sliding layers with 32 (H100, 2026-12-06, same method):
+# 427.5-433.2 / 423.1-423.2 / 380.3-380.4 against 425.3-429.2 / 421.3-422.6 / 378.9, and at 4K in another run 425.2
+# against 422.5, with 64 423.9.
+ATTENTION = dict(sliding=dict(splits=32, block=32, warps=8, stages=3, combine_d=32),
                  full=dict(min_splits=128, block=32, warps=2, stages=2, combine_d=32),
                  fused=dict(min_splits=32, block=64, warps=4, stages=3),
                  keys_per_split=1024, min_keys=32, short_stages=2, programs=512)
 _SMALL = dict(splits=2, min_splits=4, block=16, warps=4, stages=1)  # the interpreter runs programs one by one
-ATTENTION_INTERPRETER = dict(sliding=_SMALL, full=dict(_SMALL, combine_d=8), fused=_SMALL, keys_per_split=16,
-                             min_keys=8, short_stages=1, programs=8)
+ATTENTION_INTERPRETER = dict(sliding=dict(_SMALL, combine_d=8), full=dict(_SMALL, combine_d=8), fused=_SMALL,
+                             keys_per_split=16, min_keys=8, short_stages=1, programs=8)
 # The splits' combine inside o_proj (_attention_o_kernel) instead of a combine launch and the o_proj GEMV: rows per
 # program and warps by weight format and kind of layer (None: apart), for up to O_FUSED_ROWS rows. H200, 2026-12-03, us
 # per layer at batch 1, attention + o_proj on sliding / full layers at 512, each over all its layers in one CUDA graph:
