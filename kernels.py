@@ -1035,10 +1035,10 @@ def qk_norm_rope(q, k, q_norm, k_norm, cos, sin, eps):
 
 
 @triton.jit
-def _ordered(bits):
-    """int32 bits of a bf16 value (in the upper half) <-> an int32 that orders like the values: a negative value's
-    magnitude bits flipped (its own inverse)."""
-    return bits ^ ((bits >> 31) & 0x7FFF0000)
+def _ordered(bits, MAGNITUDE: tl.constexpr):
+    """int32 bits of an fp32 value (MAGNITUDE 0x7FFFFFFF), or of a bf16 one in the upper half (0x7FFF0000) <-> an
+    int32 that orders like the values: a negative value's magnitude bits flipped (its own inverse)."""
+    return bits ^ ((bits >> 31) & MAGNITUDE)
 
 
 @triton.jit
@@ -1050,7 +1050,7 @@ def _route_keys(logits_ptr, b, E: tl.constexpr):
     offs_e = tl.arange(0, E)
     r = tl.load(logits_ptr + b * E + offs_e, cache_modifier=".cg").to(tl.float32)
     bits = tl.where(r == 0.0, 0.0, r).to(tl.int32, bitcast=True)    # a bf16: the lower 16 bits are zero
-    return _ordered(bits) | (0xFFFF - offs_e)
+    return _ordered(bits, 0x7FFF0000) | (0xFFFF - offs_e)
 
 
 @triton.jit
@@ -1073,7 +1073,7 @@ def _route(logits_ptr, b, E: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr,
     for a in tl.static_range(A):
         best = tl.max(key, 0)
         ids = tl.where(offs_a == a, 0xFFFF - (best & 0xFFFF), ids)
-        vals = tl.where(offs_a == a, _ordered(best & -65536).to(tl.float32, bitcast=True), vals)
+        vals = tl.where(offs_a == a, _ordered(best & -65536, 0x7FFF0000).to(tl.float32, bitcast=True), vals)
         key = tl.where(key == best, -2147483648, key)                 # (keys are distinct: taken once)
     w = tl.where(offs_a < A, 1.0 / (1.0 + tl.exp(-vals)), 0.0)       # sigmoid of the chosen logits
     if NORM_TOPK:
@@ -1318,7 +1318,8 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
 # greedy_next: the argmax of the logits, written as the next decode step's input
 
 
-_INT64_MIN = tl.constexpr(-2**63)
+INT64_MIN = -2**63
+_INT64_MIN = tl.constexpr(INT64_MIN)
 _GREEDY_STATE = {}      # device -> (best, count) per row, as _greedy_kernel leaves them: INT64_MIN, 0 (shared: one
                         # launch at a time per device, as the decode steps of one stream run)
 GREEDY_BLOCK = 64 if INTERPRET else 2048
@@ -1337,7 +1338,7 @@ def _greedy_kernel(logits_ptr, ids_ptr, pos_ptr, best_ptr, count_ptr, n, stride_
     x = tl.load(logits_ptr + b * stride_l + offs, mask=offs < n, other=float("-inf"))
     m, i = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
     bits = tl.where(m == 0.0, 0.0, m).to(tl.int32, bitcast=True)      # (-0 taken as +0)
-    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)            # negative: magnitude bits flipped
+    key = _ordered(bits, 0x7FFFFFFF).to(tl.int64)
     tl.atomic_max(best_ptr + b, (key << 32) | (0xFFFFFFFF - (p * BLOCK + i).to(tl.int64)), sem="relaxed")
     if tl.atomic_add(count_ptr + b, 1, sem="acq_rel") == PROGRAMS - 1:  # (after every max of the row)
         best = tl.atomic_xchg(best_ptr + b, _INT64_MIN, sem="relaxed")
@@ -1357,9 +1358,9 @@ def greedy_next(logits, n, ids, pos):
     if state is None or state[0].numel() < B:
         assert not (logits.is_cuda and torch.cuda.is_current_stream_capturing()), \
             "greedy_next: run it once before capturing it in a CUDA graph"
-        rows = max(B, 64)
-        state = _GREEDY_STATE[logits.device] = (torch.full((rows,), -2**63, dtype=torch.int64, device=logits.device),
-                                                torch.zeros(rows, dtype=torch.int32, device=logits.device))
+        rows, dev = max(B, 64), logits.device                        # (64: flint.MAX_DECODE_BATCH)
+        state = _GREEDY_STATE[dev] = (torch.full((rows,), INT64_MIN, dtype=torch.int64, device=dev),
+                                      torch.zeros(rows, dtype=torch.int32, device=dev))
     pdl = _pdl(logits, False)
     programs = triton.cdiv(n, GREEDY_BLOCK)
     _greedy_kernel[(B, programs)](logits, ids, pos, *state, n, logits.stride(0), PROGRAMS=programs,
