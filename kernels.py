@@ -772,7 +772,10 @@ def _attention_o_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, w_ptr, s_ptr, rs_ptr, 
 # - full (the combine in its own launch): H100, 2026-12-05, bf16 attention + combine + o_proj, us per full layer
 #   (.dev/attn_sweep.py): 128 splits of 32-key steps, 2 warps, 2 stages at 2K / 4K / 8K / 16K 12.60-12.86 /
 #   14.49-14.60 / 17.83-17.84 / 23.76-24.53 against the fused kind's tiles 14.05-14.48 / 16.00-16.03 / 19.01-19.21
-#   / 24.63-24.90.
+#   / 24.63-24.90. Then 64-key steps and 4 warps: H200, 2026-12-06, whole bf16 steps (.dev/ab.py, two rounds, tok/s)
+#   at batch 1, 512 / 4K / 32K 517.2-517.8 / 513.0-513.2 / 464.6-466.4 against 510.2-510.6 / 508.1-509.6 /
+#   455.3-456.3, at batch 8, 4K / 32K 1057.4-1057.9 / 877.4-879.2 against 1050.9-1051.3 / 854.5-856.0; NVFP4 batch 8
+#   1120.7-1122.2 / 933.0-933.1 against 1118.1-1118.2 / 923.5-938.9. With 3 stages, 256 splits or 8 warps: no better.
 # - fused (the combine inside o_proj, which redoes it per block of rows, so fewer splits): H200, 2026-12-03, 32K
 #   batch 1 / 8: 29.64 / 152.74 with 4 warps against 37.23 / 207.39 with 8; H200, 2026-12-05, NVFP4 at 520 slots
 #   9.95-10.23 against 10.53-10.68 for 32 splits and 3 stages; H100, 2026-12-05: with the full kind's tiles NVFP4
@@ -784,7 +787,7 @@ def _attention_o_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, w_ptr, s_ptr, rs_ptr, 
 # 427.5-433.2 / 423.1-423.2 / 380.3-380.4 against 425.3-429.2 / 421.3-422.6 / 378.9, and at 4K in another run 425.2
 # against 422.5, with 64 423.9.
 ATTENTION = dict(sliding=dict(splits=32, block=32, warps=8, stages=3, combine_d=32),
-                 full=dict(min_splits=128, block=32, warps=2, stages=2, combine_d=32),
+                 full=dict(min_splits=128, block=64, warps=4, stages=2, combine_d=32),
                  fused=dict(min_splits=32, block=64, warps=4, stages=3),
                  keys_per_split=1024, min_keys=32, short_stages=2, programs=512)
 _SMALL = dict(splits=2, min_splits=4, block=16, warps=4, stages=1)  # the interpreter runs programs one by one
