@@ -855,7 +855,7 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
         num_stages=stages, launch_pdl=pdl > 0)
     if not fused:
         o = torch.empty(B, H * D, device=qkv.device, dtype=torch.bfloat16)
-        BLOCK_D = min(D, tile.get("combine_d", D))
+        BLOCK_D = min(D, tile["combine_d"])
         _attention_combine_kernel[(B, H, D // BLOCK_D)](
             m, l, acc, sinks, o, H=H, D=D, BLOCK_D=BLOCK_D, NUM_SPLITS=NUM_SPLITS, SPLITS_PAD=SPLITS_PAD,
             PDL=pdl, num_warps=4 if BLOCK_D == D else 1, launch_pdl=pdl > 0)
@@ -1324,7 +1324,8 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
 INT64_MIN = -2**63
 _INT64_MIN = tl.constexpr(INT64_MIN)
 _GREEDY_STATE = {}      # device -> (best, count) per row, as _greedy_kernel leaves them: INT64_MIN, 0 (shared: one
-                        # launch at a time per device, as the decode steps of one stream run)
+                        # launch at a time per device, as the decode steps of one stream run). It has rows for
+                        # flint.MAX_DECODE_BATCH (64) from the start: no captured decode step sees it replaced
 GREEDY_BLOCK = 64 if INTERPRET else 2048
 
 
@@ -1361,7 +1362,7 @@ def greedy_next(logits, n, ids, pos):
     if state is None or state[0].numel() < B:
         assert not (logits.is_cuda and torch.cuda.is_current_stream_capturing()), \
             "greedy_next: run it once before capturing it in a CUDA graph"
-        rows, dev = max(B, 64), logits.device                        # (64: flint.MAX_DECODE_BATCH)
+        rows, dev = max(B, 64), logits.device
         state = _GREEDY_STATE[dev] = (torch.full((rows,), INT64_MIN, dtype=torch.int64, device=dev),
                                       torch.zeros(rows, dtype=torch.int32, device=dev))
     pdl = _pdl(logits, False)
