@@ -434,8 +434,7 @@ class Attention(nn.Module):
         self.sinks = make(p + "sinks", H, dtype=torch.float)             # fp32 logits (self_attn.softmax_offset)
 
     def forward(self, x, dx, norm_w, pos, cache, rope, ops):
-        """x + dx [N, C] -> (bf16(x + dx), o_proj(attention(rmsnorm(x + dx)))). The decode kernels return
-        o_proj's output as int64 fixed point, which the next norm reads (kernels.attention_decode)."""
+        """x + dx [N, C] -> (bf16(x + dx), o_proj(attention(rmsnorm(x + dx))))."""
         B, T = pos.shape
         x, _, qkv = ops.add_norm_linear(x, dx, norm_w, self.qkv, self.eps)   # [N, (H+2G)D]
         if T == 1 and cache is not None:                                 # decode: one fused op, o_proj included

@@ -3,9 +3,8 @@
 - add_norm_linear: residual add + RMSNorm + GEMV (qkv, router, lm_head), optionally + SwiGLU (dense MLP gate/up).
 - linear: GEMV (o_proj, dense down).
 - attention_decode: q/k RMSNorm + RoPE + KV-cache write + attention with learned sinks, split over the keys
-  (flash-decoding, Dao et al. 2023) so that one sequence fills the GPU, then the splits' combine and o_proj: a combine
-  kernel and the o_proj GEMV, or (NVFP4, one row) one kernel whose programs each combine one head and add its share
-  of o_proj to int64 fixed-point sums, which the next norm reads (exact sums: any order gives the same bits).
+  (flash-decoding, Dao et al. 2023) so that one sequence fills the GPU, then the splits' combine kernel and the
+  o_proj GEMV.
 - moe_experts: sigmoid top-k routing + gate/up + SwiGLU of the selected experts and the shared expert in one
   launch, then down + weighted combine + shared add in one launch.
 - greedy_next: the argmax of the logits, written with the positions + 1 as the next decode step's input.
@@ -15,8 +14,8 @@ Prompt chunks (flint.prefill_ops):
 - matmul: GEMM for NVFP4 weights (bf16 ones go to cuBLAS).
 - add_rms_norm, qk_norm_rope, route: the norms (and RoPE) and the routing of the chunk's rows, one pass each.
 
-With bf16 weights on SM90 and newer, decode kernels take programmatic dependent launch (PDL, `_pdl_wait`): each
-may start while the kernel before it still runs, load its weights, then wait for that kernel to finish.
+On SM90 and newer, decode kernels take programmatic dependent launch (PDL, `_pdl_wait`): each may start while the
+kernel before it still runs, load its weights, then wait for that kernel to finish.
 
 Weights are bf16 [N, K] or NVFP4 (flint.NVFP4: nibble plane [N, K/2], e4m3 scales [N, K/16], fp32 row scale),
 dequantized in registers (no FP4 tensor cores on SM90). Every product is exact in fp32 and sums accumulate in fp32,
@@ -47,27 +46,26 @@ def _pdl_device(index):
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-# Programmatic dependent launch of the decode kernels (_pdl_wait) by weight format. Whole CUDA-graph steps on an
-# H200, 2026-12-04, two alternated rounds (.dev/pdl_ab.py, tok/s without -> with): bf16 batch 1 at 512 430.1 / 440.1
-# -> 451.1 / 463.6, at 32K 389.9 / 391.0 -> 401.3 / 402.3, batch 8 1029.3 / 1044.2 -> 1031.1 / 1036.9; NVFP4 slower,
-# batch 1 at 512 557.9 / 580.7 -> 533.6 / 532.8, at 32K 472.5 / 490.1 -> 445.3 / 445.3, batch 8 1122.7 / 1127.2 ->
-# 1117.5 / 1121.9, so NVFP4 weights keep plain launches (nor did any one kernel group gain: H100, 2026-12-05, README).
+# Programmatic dependent launch of the decode kernels (_pdl_wait). Whole CUDA-graph steps on an H200, 2026-12-04, two
+# alternated rounds (.dev/pdl_ab.py, tok/s without -> with): bf16 batch 1 at 512 430.1 / 440.1 -> 451.1 / 463.6, at 32K
+# 389.9 / 391.0 -> 401.3 / 402.3, batch 8 1029.3 / 1044.2 -> 1031.1 / 1036.9. NVFP4 then measured slower (batch 1 at
+# 512 557.9 / 580.7 -> 533.6 / 532.8) with its weights loaded after the wait and the splits' combine inside o_proj;
+# with both changed it gains: H100, 2026-12-06, whole NVFP4 steps (.dev/ab.py, two or three alternated rounds, tok/s,
+# with the tiles and the shared expert first as now against without PDL as before) batch 1 at 512 / 4K / 32K
+# 562.6-562.7 / 547.1-550.1 / 469.7-469.8 -> 652.2-652.8 / 624.8-625.9 / 528.6-530.1, batch 2 / 4 / 8 at 4K
+# 669.9-707.6 / 929.5-960.7 / 1090.5-1121.4 -> 706.3-706.5 / 994.7-994.8 / 1101.5-1109.5.
 # One row lets the next kernel launch before the wait (PDL 2): H100, 2026-12-05, bf16 whole steps, two alternated
 # rounds (.dev/pdl_ab.py, tok/s after -> before the wait): batch 1 at 512 388.3 / 384.9 -> 398.5 / 394.0, at 32K
 # 334.8 / 338.8 -> 349.7 / 349.6; batch 2 560.4 / 562.3 -> 559.1 / 560.4, batch 8 885.2 / 888.1 -> 851.4 / 850.5
-PDL = {False: True, True: False}
+def _pdl_on(t):
+    """Whether the decode kernels reading tensor t take programmatic dependent launch: on SM90 and newer GPUs."""
+    return not INTERPRET and t.is_cuda and _pdl_device(t.device.index)
 
 
-def _pdl_on(t, nvfp4):
-    """Whether the decode kernels reading tensor t (weights NVFP4 or not) take programmatic dependent launch: by
-    format (PDL), on SM90 and newer GPUs."""
-    return PDL[nvfp4] and not INTERPRET and t.is_cuda and _pdl_device(t.device.index)
-
-
-def _pdl(t, nvfp4):
+def _pdl(t):
     """_pdl_wait's PDL for the decode kernels reading the rows of t: one row launches the next kernel before its
     wait (2), more rows after it (1); 0 without PDL (_pdl_on)."""
-    return (2 if t.shape[0] == 1 else 1) if _pdl_on(t, nvfp4) else 0
+    return (2 if t.shape[0] == 1 else 1) if _pdl_on(t) else 0
 
 
 @triton.jit
@@ -108,29 +106,6 @@ def _to_bf16(x):
 def _load_f32(ptr, mask):
     # the interpreter refuses `other=` on bf16 loads: mask afterwards
     return tl.where(mask, tl.load(ptr, mask=mask).to(tl.float32), 0.0)
-
-
-# A residual update dx in fixed point: int64 sums in units of 2^-32 (range +-2^31), which partial sums of o_proj add
-# exactly, hence in any order (the decode attention adds each head's share of o_proj atomically: attention_decode)
-FIXED_ONE = 2.0 ** 32
-
-
-@triton.jit
-def _to_fixed(y):
-    return tl.floor(y * 4294967296.0 + 0.5).to(tl.int64)            # (x FIXED_ONE)
-
-
-@triton.jit
-def _load_dx(ptr, mask):
-    """A residual update as fp32: bf16, or int64 fixed point rounded to bf16 (o_proj outputs bf16, spec §2.3.7)."""
-    if ptr.dtype.element_ty == tl.int64:
-        return _round_bf16(tl.load(ptr, mask=mask, other=0).to(tl.float32) * (1.0 / 4294967296.0))
-    return _load_f32(ptr, mask)
-
-
-def fixed_to_bf16(dx):
-    """int64 fixed-point dx -> bf16, as the kernels read it (other dtypes pass through)."""
-    return (dx.float() / FIXED_ONE).to(torch.bfloat16) if dx.dtype == torch.int64 else dx
 
 
 @triton.jit
@@ -188,7 +163,7 @@ def _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, offs_k, B, K, stride_b,
     off = offs_b[:, None] * stride_b + offs_k[None, :]
     x = _load_f32(x_ptr + off, mask)
     if ADD:
-        x += _load_dx(dx_ptr + off, mask)
+        x += _load_f32(dx_ptr + off, mask)
     if NORM:
         nw = _load_f32(nw_ptr + offs_k, kmask)
         x = _round_bf16(x * rstd[:, None] * nw[None, :])
@@ -211,7 +186,7 @@ def _input_row(x_ptr, dx_ptr, nw_ptr, rstd, b, offs_k, B, K, stride_b,
     mask = _below(offs_k, tl.where(b < B, K, 0), EVEN)                # rows past B read as 0
     x = _load_f32(x_ptr + b * stride_b + offs_k, mask)
     if ADD:
-        x += _load_dx(dx_ptr + b * stride_b + offs_k, mask)
+        x += _load_f32(dx_ptr + b * stride_b + offs_k, mask)
     if NORM:
         x = _round_bf16(x * rstd * _load_f32(nw_ptr + offs_k, _below(offs_k, K, EVEN)))
     return x
@@ -233,11 +208,7 @@ def _input_pairs(x_ptr, dx_ptr, nw_ptr, rstd, b, j, B, K, stride_b,
     mask = _below(j, tl.where(b < B, K // 2, 0), EVEN)                 # rows past B read as 0
     x_even, x_odd = _pairs(x_ptr + b * stride_b, j, mask)
     if ADD:
-        if dx_ptr.dtype.element_ty == tl.int64:                       # (fixed point: one int64 per element)
-            dx_even = _load_dx(dx_ptr + b * stride_b + 2 * j, mask)
-            dx_odd = _load_dx(dx_ptr + b * stride_b + 2 * j + 1, mask)
-        else:
-            dx_even, dx_odd = _pairs(dx_ptr + b * stride_b, j, mask)
+        dx_even, dx_odd = _pairs(dx_ptr + b * stride_b, j, mask)
         x_even, x_odd = x_even + dx_even, x_odd + dx_odd
     if NORM:
         nw_even, nw_odd = _pairs(nw_ptr, j, _below(j, K // 2, EVEN))
@@ -420,13 +391,23 @@ def _block_b(B, dot=False):
 # the wait (before) 23.52-24.07 / 677-716, with (1, 512, 1) 22.96-23.51 / 677-691. Plain GEMVs of one bf16 row (o_proj,
 # the router, the dense down) swept again in whole steps with PDL (.dev/ab.py, batch 1 at 4K, alternated rounds, tok/s):
 # H100, 2026-12-06, three rounds: (2, 2048, 4) 419.7-420.1 against 414.9-415.3 with the (2, 4096, 8) swept alone
-# before PDL; (4, 2048, 4) 419.3-420.4, (1, 2048, 4) 418.2, (2, 2048, 8) 416.5, (2, 1024, 4) 410.5.
+# before PDL; (4, 2048, 4) 419.3-420.4, (1, 2048, 4) 418.2, (2, 2048, 8) 416.5, (2, 1024, 4) 410.5. NVFP4 at one row
+# swept again once its kernels took PDL (H100, 2026-12-06, .dev/ab.py, whole steps at batch 1 and 4K, two or three
+# alternated rounds, tok/s), against the tiles kept before, (4, 2048, 4) plain and (8, 2048, 8) normed: 573.8-580.0;
+# plain (2, 2048, 4) 587.4-595.4, (4, 1024, 2) 565.8-566.7, (8, 2048, 8) 576.1-576.6; normed (4, 2048, 4) 580.4-584.1,
+# (8, 1024, 4) 571.7-573.5; MoE gate/up (2, 256, 1) 559.3-560.8, (1, 512, 1) 578.6-579.1; down (1, 512, 1)
+# 571.2-575.9; lm_head (8, 256, 1) 573.0-573.9. With the MoE's first weights loaded before the wait (597.1-601.9):
+# plain (2, 2048, 4) 611.7-614.0, with normed (4, 2048, 4) 613.8-617.7 (kept); gate/up (1, 2048, 1) 566.5-567.7,
+# (1, 1024, 1) 565.5-568.1; down (1, 512, 1) 583.1-584.7. Against those kept (615.9-620.2): plain (1, 2048, 4)
+# 618.8-622.9, (2, 2048, 2) 607.8-610.3; normed (2, 2048, 4) 594.3-597.4, (4, 2048, 8) 602.1-603.8, (4, 1024, 4)
+# 602.4-604.2; gate/up (1, 128, 1) 592.6-598.5, (1, 256, 2) 536.8-537.9; down (1, 128, 1) 604.3-604.7; lm_head (2,
+# 256, 1) 605.1-609.3, (4, 512, 2) 610.2-613.1, (8, 512, 2) 610.2-612.3.
 TILES = {
     # kernel      rows  nvfp4
     ("gemv",         1, False): (2, 2048, 4),
-    ("gemv",         1, True): (4, 2048, 4),
+    ("gemv",         1, True): (2, 2048, 4),
     ("gemv_norm",    1, False): (16, 1024, 4),
-    ("gemv_norm",    1, True): (8, 2048, 8),
+    ("gemv_norm",    1, True): (4, 2048, 4),
     ("gemv",         8, False): (2, 2048, 4),                         # (whole steps at batch 2-8, inputs
     ("gemv",         8, True): (2, 2048, 4),                          # normalized apart: .dev/bench_tile.py)
     ("gemv",        16, False): (16, 256, 4),
@@ -521,7 +502,7 @@ def _launch_linear(x, dx, norm_w, w, eps, swiglu=False, f32=False):
     assert x.is_contiguous() and x.dtype == torch.bfloat16, "inputs must be contiguous bf16 rows"
     N_out = N // 2 if swiglu else N
     norm = norm_w is not None
-    pdl = _pdl(x, nvfp4)
+    pdl = _pdl(x)
     if norm and (B > 1 or N_out >= WIDE_N):
         # the norm in a launch of its own where every program would normalize much: 2-8 rows, or one row for the
         # lm_head's 37,536 programs (H200, 2026-12-03, us: qkv at batch 8 NVFP4 24.8 against 42.4, bf16 17.2 against
@@ -608,14 +589,14 @@ def _attend(q1, q2, k1, k2, v, kt1, kt2, vt, slot, newest, p, end, m_i, l_i, acc
 def _attention_decode_kernel(
     # pointers
     qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
-    m_ptr, l_ptr, acc_ptr, zero_ptr,
+    m_ptr, l_ptr, acc_ptr,
     # sizes
-    S, eps, qk_scale, C,
+    S, eps, qk_scale,
     # strides
     stride_qkv, stride_cb, stride_cs,
     # meta-parameters
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_Z: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     b, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     R: tl.constexpr = H // G                                          # query heads per kv head
@@ -659,9 +640,6 @@ def _attention_decode_kernel(
         tl.store(k_cache_ptr + new + offs_d, _to_bf16(k1))
         tl.store(k_cache_ptr + new + HALF + offs_d, _to_bf16(k2))
         tl.store(v_cache_ptr + new + offs_v, _to_bf16(v))
-        if BLOCK_Z > 0:                                               # o_proj's fixed-point sums start at 0
-            z = g * BLOCK_Z + tl.arange(0, BLOCK_Z)
-            tl.store(zero_ptr + b * C + z, tl.zeros([BLOCK_Z], dtype=tl.int64), mask=z < C)
 
     # ---- attend over this split's slots start .. end - 1
     RING: tl.constexpr = WINDOW > 0
@@ -726,39 +704,6 @@ def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, o_ptr,
     tl.store(o_ptr + (b * H + h) * D + d0 + tl.arange(0, BLOCK_D), _to_bf16(o))
 
 
-@triton.jit
-def _attention_o_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, w_ptr, s_ptr, rs_ptr, out_ptr, C,
-                        H: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                        NVFP4: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-    """Program (head h, block of o_proj rows, row b): head h's output, combined from the splits as
-    _attention_combine_kernel does and rounded to bf16, times its D columns of those o_proj rows, added to out
-    [B, C] in fixed point (_to_fixed): the 32 heads' shares sum exactly in any order, with no combine launch
-    between attention and o_proj. Weight loads go first: they do not wait on the partials."""
-    h, rb, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < C
-    if NVFP4:                                                         # bytes of columns h*D .. (h+1)*D - 1
-        j = tl.arange(0, D // 2)
-        byte = tl.load(w_ptr + offs_n[:, None] * (H * D // 2) + h * (D // 2) + j[None, :], mask=nmask[:, None],
-                       other=0)
-        g = tl.arange(0, D // 16)
-        sc = _load_f32(s_ptr + offs_n[:, None] * (H * D // 16) + h * (D // 16) + g[None, :], nmask[:, None])
-        rs = tl.load(rs_ptr + offs_n, mask=nmask, other=0.0)
-    else:
-        d = tl.arange(0, D)
-        w = _load_f32(w_ptr + offs_n[:, None] * (H * D) + h * D + d[None, :], nmask[:, None])
-    _pdl_wait(PDL)
-    o = _round_bf16(_combine(m_ptr, l_ptr, acc_ptr, sinks_ptr, b, h, 0, H, D, D, NUM_SPLITS, SPLITS_PAD))
-    if NVFP4:
-        o_even, o_odd = tl.split(tl.reshape(o, [D // 2, 2]))
-        w_lo, w_hi = _e2m1_pair(byte)
-        part = tl.sum(tl.reshape(w_lo * o_even[None, :] + w_hi * o_odd[None, :], [BLOCK_N, D // 16, 8]), 2)
-        y = tl.sum(part * sc, 1) * 16384.0 * rs                      # (x 2^14: see _e2m1)
-    else:
-        y = tl.sum(w * o[None, :], 1)
-    tl.atomic_add(out_ptr + b * C + offs_n, _to_fixed(y), mask=nmask, sem="relaxed")
-
-
 # Tiles of the split-KV attention by kind of layer, each the fastest of sweeps: splits (sliding: of the window; full:
 # min_splits, or one per keys_per_split slots of a longer cache, up to 128), keys per step (block), warps, stages.
 # Larger batches take fewer splits, down to ~`programs` programs. Full layers' splits hold at least min_keys slots of
@@ -771,16 +716,12 @@ def _attention_o_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, w_ptr, s_ptr, rs_ptr, 
 #   20.06 / 44.07 and 16 x 16 7.14 / 15.16 / 45.58.
 # - full (the combine in its own launch): H100, 2026-12-05, bf16 attention + combine + o_proj, us per full layer
 #   (.dev/attn_sweep.py): 128 splits of 32-key steps, 2 warps, 2 stages at 2K / 4K / 8K / 16K 12.60-12.86 /
-#   14.49-14.60 / 17.83-17.84 / 23.76-24.53 against the fused kind's tiles 14.05-14.48 / 16.00-16.03 / 19.01-19.21
+#   14.49-14.60 / 17.83-17.84 / 23.76-24.53 against the tiles of the combine inside o_proj 14.05-14.48 / 16.00-16.03 / 19.01-19.21
 #   / 24.63-24.90. Then 64-key steps and 4 warps: H200, 2026-12-06, whole bf16 steps (.dev/ab.py, two rounds, tok/s)
 #   at batch 1, 512 / 4K / 32K 517.2-517.8 / 513.0-513.2 / 464.6-466.4 against 510.2-510.6 / 508.1-509.6 /
 #   455.3-456.3, at batch 8, 4K / 32K 1057.4-1057.9 / 877.4-879.2 against 1050.9-1051.3 / 854.5-856.0; NVFP4 batch 8
 #   1120.7-1122.2 / 933.0-933.1 against 1118.1-1118.2 / 923.5-938.9. With 3 stages, 256 splits or 8 warps: no better.
-# - fused (the combine inside o_proj, which redoes it per block of rows, so fewer splits): H200, 2026-12-03, 32K
-#   batch 1 / 8: 29.64 / 152.74 with 4 warps against 37.23 / 207.39 with 8; H200, 2026-12-05, NVFP4 at 520 slots
-#   9.95-10.23 against 10.53-10.68 for 32 splits and 3 stages; H100, 2026-12-05: with the full kind's tiles NVFP4
-#   batch 1 measured 4K / 32K 497.7-500.5 / 439.3-442.4 against 546.8-547.3 / 470.1-471.0 tok/s.
-# The combine launch (apart from o_proj) takes one program per combine_d dims of a head (default: all D). Full
+# The combine launch takes one program per combine_d dims of a head (default: all D). Full
 # layers with 32: H200, 2026-12-06, whole bf16 steps at batch 1 (.dev/ab.py, two rounds of chained steps, tok/s) at
 # 512 / 4K / 32K 494.9-494.8 / 490.0-491.6 / 439.2-439.6 against 492.7-500.4 / 486.7-488.8 / 438.0-438.8 with
 # whole heads; H100 at 4K 411.6-411.7 against 409.7-410.5. Sliding layers with 32 (H100, 2026-12-06, same method):
@@ -788,39 +729,27 @@ def _attention_o_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, w_ptr, s_ptr, rs_ptr, 
 # against 422.5, with 64 423.9.
 ATTENTION = dict(sliding=dict(splits=32, block=32, warps=8, stages=3, combine_d=32),
                  full=dict(min_splits=128, block=64, warps=4, stages=2, combine_d=32),
-                 fused=dict(min_splits=32, block=64, warps=4, stages=3),
                  keys_per_split=1024, min_keys=32, short_stages=2, programs=512)
 _SMALL = dict(splits=2, min_splits=4, block=16, warps=4, stages=1)  # the interpreter runs programs one by one
-ATTENTION_INTERPRETER = dict(sliding=dict(_SMALL, combine_d=8), full=dict(_SMALL, combine_d=8), fused=_SMALL,
+ATTENTION_INTERPRETER = dict(sliding=dict(_SMALL, combine_d=8), full=dict(_SMALL, combine_d=8),
                              keys_per_split=16, min_keys=8, short_stages=1, programs=8)
-# The splits' combine inside o_proj (_attention_o_kernel) instead of a combine launch and the o_proj GEMV: rows per
-# program and warps by weight format and kind of layer (None: apart), for up to O_FUSED_ROWS rows. H200, 2026-12-03, us
-# per layer at batch 1, attention + o_proj on sliding / full layers at 512, each over all its layers in one CUDA graph:
-# NVFP4 9.72 / 11.00 fused against 12.30 / 13.61 apart; bf16 at best 12.35 / 14.39 against 13.24 / 14.20, while the
-# router's norm reads the int64 sums in 3.60 against 2.71 us. So bf16 stays apart: in whole steps (H100, 2026-12-06,
-# .dev/ab.py, batch 1, tok/s at 512 / 4K) with the sliding layers fused, (32, 2) 395.8-398.4 / 393.9-395.2 and (64, 2)
-# 392.6-392.9 / 388.9-389.3 against 419.3-427.7 / 414.7-415.5, whatever the o kernel's PDL (0, 1, 2: 393.6-398.6);
-# all layers fused 388.1-388.6 / 371.4-371.5. At batch 8 fused is slower (NVFP4 35.3 / 33.0 against 33.3 / 30.9 us).
-ATTENTION_O = {(False, "sliding"): None, (False, "full"): None, (True, "sliding"): (64, 2), (True, "full"): (64, 2)}
-O_FUSED_ROWS = 1
+# The splits' combine inside o_proj (one kernel whose programs each combine one head and add its share of o_proj to
+# int64 fixed-point sums, which the next norm read) was kept for NVFP4 at batch 1 until its kernels took PDL too, then
+# was slower than the combine launch and the o_proj GEMV (README, "Tried and not kept").
 
 
 def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos, window, eps, w_o):
     """One new token per row. qkv [B, (H+2G)D] bf16 (before q/k norm and RoPE); caches [B, S, G, D]; pos [B];
-    window 0 = full layer (no RoPE). Writes the token's k, v at slot pos % S; returns o_proj(o) [B, C], as int64
-    fixed point where the combine runs inside o_proj (ATTENTION_O; the next norm reads it as bf16, fixed_to_bf16
-    converts it), else bf16; with w_o None, the attention output o [B, H*D] bf16."""
+    window 0 = full layer (no RoPE). Writes the token's k, v at slot pos % S; returns o_proj(o) [B, C] bf16, or
+    with w_o None the attention output o [B, H*D] bf16."""
     B, S, G, D = k_cache.shape
     H = sinks.shape[0]
     assert qkv.shape == (B, (H + 2 * G) * D) and qkv.is_contiguous() and qkv.dtype == torch.bfloat16
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.bfloat16
     assert pos.shape == (B,) and sinks.dtype == torch.float32 and cos.dtype == torch.float32
     assert not window or S <= window, f"a sliding layer's ring holds at most {window} slots, got {S}"
-    wp, sp, rsp, nvfp4 = _weight_args(w_o) if w_o is not None else (None, None, None, False)
-    o_tile = ATTENTION_O[nvfp4, "sliding" if window else "full"] if w_o is not None else None
-    fused = o_tile is not None and B <= O_FUSED_ROWS
     t = ATTENTION_INTERPRETER if INTERPRET else ATTENTION           # (GPU: programs to fill it at batch 1, 4 kv heads)
-    tile = t["sliding" if window else "fused" if fused else "full"]
+    tile = t["sliding" if window else "full"]
     if window:
         NUM_SPLITS = tile["splits"]
     else:                                       # (min_splits up, but no more than a cache's S // min_keys)
@@ -837,35 +766,21 @@ def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos
     m = torch.empty(B, H, NUM_SPLITS, device=qkv.device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(B, H, NUM_SPLITS, D, device=qkv.device, dtype=torch.float32)
-    pdl = _pdl(qkv, nvfp4) if w_o is not None else 0                 # (none in the GEMM path: no o_proj here)
-    if fused:
-        C = w_o.shape[0]
-        assert w_o.shape[1] == H * D, f"o_proj {tuple(w_o.shape)} does not take {H} heads of {D}"
-        out = torch.empty(B, C, device=qkv.device, dtype=torch.int64)  # zeroed by the attention kernel
-    else:
-        C, out = 0, m
+    pdl = _pdl(qkv) if w_o is not None else 0                        # (none in the GEMM path: no o_proj here)
     _attention_decode_kernel[(B, G, NUM_SPLITS)](
         qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos,
-        m, l, acc, out,
-        S, eps, D ** -0.5 * LOG2E, C,
+        m, l, acc,
+        S, eps, D ** -0.5 * LOG2E,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
         H=H, G=G, D=D, WINDOW=window, NUM_SPLITS=NUM_SPLITS,
-        BLOCK_R=max(16, triton.next_power_of_2(H // G)), BLOCK_S=BLOCK_S,
-        BLOCK_Z=triton.next_power_of_2(triton.cdiv(C, G)) if C else 0, PDL=pdl, num_warps=warps,
+        BLOCK_R=max(16, triton.next_power_of_2(H // G)), BLOCK_S=BLOCK_S, PDL=pdl, num_warps=warps,
         num_stages=stages, launch_pdl=pdl > 0)
-    if not fused:
-        o = torch.empty(B, H * D, device=qkv.device, dtype=torch.bfloat16)
-        BLOCK_D = min(D, tile["combine_d"])
-        _attention_combine_kernel[(B, H, D // BLOCK_D)](
-            m, l, acc, sinks, o, H=H, D=D, BLOCK_D=BLOCK_D, NUM_SPLITS=NUM_SPLITS, SPLITS_PAD=SPLITS_PAD,
-            PDL=pdl, num_warps=4 if BLOCK_D == D else 1, launch_pdl=pdl > 0)
-        return o if w_o is None else linear(o, w_o)
-    BLOCK_N, warps = (16, 4) if INTERPRET else o_tile
-    _attention_o_kernel[(H, triton.cdiv(C, BLOCK_N), B)](
-        m, l, acc, sinks, wp, sp, rsp, out, C,
-        H=H, D=D, NUM_SPLITS=NUM_SPLITS, SPLITS_PAD=SPLITS_PAD, NVFP4=nvfp4, BLOCK_N=BLOCK_N, PDL=pdl,
-        num_warps=warps, launch_pdl=pdl > 0)
-    return out
+    o = torch.empty(B, H * D, device=qkv.device, dtype=torch.bfloat16)
+    BLOCK_D = min(D, tile["combine_d"])
+    _attention_combine_kernel[(B, H, D // BLOCK_D)](
+        m, l, acc, sinks, o, H=H, D=D, BLOCK_D=BLOCK_D, NUM_SPLITS=NUM_SPLITS, SPLITS_PAD=SPLITS_PAD,
+        PDL=pdl, num_warps=4 if BLOCK_D == D else 1, launch_pdl=pdl > 0)
+    return o if w_o is None else linear(o, w_o)
 
 
 # -----------------------------------------------------------------------------
@@ -1141,9 +1056,8 @@ def _rows_dot(x_rows, w_rows, s_rows, K: tl.constexpr, NVFP4: tl.constexpr, BLOC
     K is unrolled, products accumulate elementwise and are reduced once at the end: every weight load of the
     program is issued before its one reduction, so a decode program waits on memory once, not once per expert and
     step. The shapes must be even (BLOCK_K divides K): no masks. WAIT: a PDL wait (_pdl_wait) before the inputs
-    are read; bf16 weights are then all loaded before it, in one [rows, K] tile."""
+    are read; bf16 weights are then all loaded before it, in one [rows, K] tile, NVFP4 ones of the first K step."""
     if NVFP4:
-        _pdl_wait(WAIT)
         # byte j of a row holds elements 2j (low nibble) and 2j + 1 (high), read against one int32 of the input (two
         # bf16). Tiles are [words of 8 codes along K, *rows, their 4 bytes]: after the bytes (one 4-byte load per
         # thread and row) threads go along K, so once BLOCK_K / 8 covers the program's threads, every thread holds
@@ -1158,6 +1072,8 @@ def _rows_dot(x_rows, w_rows, s_rows, K: tl.constexpr, NVFP4: tl.constexpr, BLOC
         for k0 in tl.static_range(0, K, BLOCK_K):
             byte = tl.load(w_rows[None, :, :, None] + k0 // 2 + jj)
             sc = tl.load(s_rows[None, :, :] + k0 // 16 + hh[:, None, None] // 2).to(tl.float32)
+            if k0 == 0:
+                _pdl_wait(WAIT)                                       # (after the first step's weight loads)
             x_even, x_odd = _pairs(x_rows[None, :, :, None], k0 // 2 + jj)
             w_lo, w_hi = _e2m1_pair(byte)
             acc += _chain4(w_lo, x_even, w_hi, x_odd) * sc
@@ -1183,10 +1099,11 @@ def _moe_gate_up_kernel(
     I, S_W,
     # meta-parameters
     C: tl.constexpr, E: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr, NORM_TOPK: tl.constexpr,
-    NVFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHARED_FIRST: tl.constexpr, PDL: tl.constexpr,
+    NVFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (row block, slot j, token b): slot j < A is the token's j-th routed expert, slot A the shared one;
-    its gate and up rows are one [2, BLOCK_N] block of rows (gate rows n, up rows N + n). With one row (PDL 2) the
+    its gate and up rows are one [2, BLOCK_N] block of rows (gate rows n, up rows N + n). The shared expert's
+    programs come first in the grid: they need no routing (measured before moe_experts). With one row (PDL 2) the
     shared expert's programs load their weights before the PDL wait, while the router still runs, and the routed
     ones let the down kernel launch only after their wait: it routes the token itself from the router's logits,
     which are then written (_moe_down_kernel). Otherwise one program records the routing for it."""
@@ -1194,8 +1111,7 @@ def _moe_gate_up_kernel(
     EARLY: tl.constexpr = PDL == 2
     if not EARLY:
         _pdl_wait(PDL)                                                # (the experts follow from the logits)
-    if SHARED_FIRST:                                                  # (program slot 0 takes the shared expert)
-        j = (j + A) % (A + 1)
+    j = (j + A) % (A + 1)                                             # (program slot 0 takes the shared expert)
     shared = j == A
     N = tl.where(shared, S_W, I)                                      # rows of gate (and of up) in this expert
     if rb * BLOCK_N < N:
@@ -1272,12 +1188,13 @@ def _moe_down_kernel(
     tl.store(out_ptr + b * C + offs_n, _to_bf16(out))
 
 
-# The gate/up grid's shared-expert programs first (they need no routing, so they read weights while the routed ones
-# still route) by weight format: H200, 2026-12-04, us per layer at batch 1 over 8 layers (.dev/sweep.py): bf16 18.92 /
-# 19.01 against 19.23 / 19.29; NVFP4 15.69 / 15.70 against 14.95 / 14.99, so NVFP4 keeps the routed ones first. bf16
-# whole steps at 512 (.dev/sf_ab.py, 3 alternated runs, tok/s): batch 2 618.2-620.6 against 615.7-617.5, batch 4
-# 828.0-836.3 against 827.8-830.0, batch 8 1008.5-1019.4 against 1009.4-1012.3
-SHARED_FIRST = {False: True, True: False}
+# The gate/up grid's shared-expert programs go first (they need no routing, so they read weights while
+# the routed ones still route). H200, 2026-12-04, us per layer at batch 1 over 8 layers (.dev/sweep.py): bf16 18.92 /
+# 19.01 against 19.23 / 19.29 (NVFP4 without PDL 15.69 / 15.70 against 14.95 / 14.99). bf16 whole steps at 512
+# (.dev/sf_ab.py, 3 alternated runs, tok/s): batch 2 618.2-620.6 against 615.7-617.5, batch 4 828.0-836.3 against
+# 827.8-830.0, batch 8 1008.5-1019.4 against 1009.4-1012.3. NVFP4 with PDL (H100, 2026-12-06, .dev/ab.py, whole steps
+# at 4K, two rounds, tok/s): batch 1 624.8-625.9 against 615.9-620.2, batch 4 994.7-994.8 against 969.3-970.2, batch
+# 8 1101.5-1109.5 against 1100.0-1100.5; batch 2 706.3-706.5 against 730.4-732.6.
 
 
 def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, norm_topk_prob):
@@ -1292,7 +1209,7 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
     dwp, dsp, drsp, d_nvfp4 = _weight_args(down)
     sdwp, sdsp, sdrsp, sd_nvfp4 = _weight_args(shared_down)
     assert nvfp4 == s_nvfp4 == d_nvfp4 == sd_nvfp4, "routed and shared experts must share one weight format"
-    rows, pdl = _block_b(B), _pdl(h, nvfp4)
+    rows, pdl = _block_b(B), _pdl(h)
     BLOCK_N, BLOCK_K, warps = tiles("moe_gate_up", rows, nvfp4, C)
     assert C % BLOCK_K == 0 and I % BLOCK_N == 0 and S_W % BLOCK_N == 0 and S_W % I == 0 and I % 16 == 0, \
         f"the decode MoE kernels need even shapes: hidden {C}, expert width {I}, shared width {S_W}"
@@ -1303,7 +1220,7 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
         h, logits, wp, sp, rsp, swp, ssp, srsp, act, ids, wts,
         I, S_W,
         C=C, E=E, A=top_k, A_PAD=triton.next_power_of_2(top_k), NORM_TOPK=norm_topk_prob, NVFP4=nvfp4,
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SHARED_FIRST=SHARED_FIRST[nvfp4], PDL=pdl, num_warps=warps,
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PDL=pdl, num_warps=warps,
         launch_pdl=pdl > 0)
     out = torch.empty_like(h)
     BLOCK_N, BLOCK_K, warps = tiles("moe_down", rows, nvfp4, I)
@@ -1365,7 +1282,7 @@ def greedy_next(logits, n, ids, pos):
         rows, dev = max(B, 64), logits.device
         state = _GREEDY_STATE[dev] = (torch.full((rows,), INT64_MIN, dtype=torch.int64, device=dev),
                                       torch.zeros(rows, dtype=torch.int32, device=dev))
-    pdl = _pdl(logits, False)
+    pdl = _pdl(logits)
     programs = triton.cdiv(n, GREEDY_BLOCK)
     _greedy_kernel[(B, programs)](logits, ids, pos, *state, n, logits.stride(0), PROGRAMS=programs,
                                   BLOCK=GREEDY_BLOCK, PDL=pdl, num_warps=4, launch_pdl=pdl > 0)

@@ -1240,21 +1240,14 @@ def test_add_norm_linear_kernel(B, nvfp4, monkeypatch):
     for g, r in zip(kernels.add_norm_swiglu(x, dx, nw, swiglu_w, 1e-6),
                     flint.add_norm_swiglu_ref(x, dx, nw, swiglu_w, 1e-6)):
         close(g, r)
-    # dx as the decode attention returns it (int64 fixed point, exact sums of o_proj's shares): read as its bf16
-    fixed = torch.floor(torch.randn(B, K, generator=torch.Generator().manual_seed(9)).double() * 2**32 + 0.5)
-    fixed = fixed.long().to(DEV)
-    for op, wt in ((kernels.add_norm_linear, w), (kernels.add_norm_swiglu, swiglu_w)):
-        for g, r in zip(op(x, fixed, nw, wt, 1e-6), op(x, kernels.fixed_to_bf16(fixed), nw, wt, 1e-6)):
-            assert torch.equal(g, r)
 
 
 @pytest.mark.parametrize("window, S, H, G", [(5, 5, 4, 2), (0, 40, 8, 2), (7, 7, 8, 8), (40, 40, 8, 2)])
 def test_attention_decode_kernel(window, S, H, G, monkeypatch):
     """Positions before, at and past the ring's wrap, two rows at different positions, GQA groups 1..4; a ring of
     40 slots takes two key steps per split (the interpreter's 2 splits of 16-key steps). The attention output
-    alone, and through o_proj (bf16 and NVFP4, 48 rows: three blocks of the interpreter's 16), whose fixed-point
-    sums read as bf16 (the o_proj outputs) must be close to the reference's. Apart from o_proj, the combine launch
-    takes whole heads and blocks of their dims."""
+    alone, and through o_proj (bf16 and NVFP4, 48 rows: three blocks of the interpreter's 16) must be close to
+    the reference's. The combine launch takes whole heads and blocks of their dims."""
     B, D, C = 2, 32, 48
     cfg = flint.Config(rope_theta=10000.0, head_dim=D)
     cos, sin = flint.rope_table(cfg, max(64, 2 * S + 8), DEV)
@@ -1266,17 +1259,14 @@ def test_attention_decode_kernel(window, S, H, G, monkeypatch):
         kc, vc = rand_act(B, S, G, D, seed=20 + step), rand_act(B, S, G, D, seed=30 + step)
         w_o = [None, rand_weight(C, H * D, seed=step), rand_weight(C, H * D, nvfp4=True, seed=step), None][step]
         tiles = kernels.ATTENTION_INTERPRETER if kernels.INTERPRET else kernels.ATTENTION
-        for fused, combine_d in [(False, 8), (False, D)] + [(True, D)] * (w_o is not None):
-            monkeypatch.setattr(kernels, "ATTENTION_O", {(nvfp4, kind): (16, 4) if fused else None
-                                                         for nvfp4 in (False, True) for kind in ("sliding", "full")})
+        for combine_d in (8, D):
             for kind in ("sliding", "full"):
                 monkeypatch.setitem(tiles[kind], "combine_d", combine_d)
-            monkeypatch.setattr(kernels, "O_FUSED_ROWS", B)
             k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
             got = kernels.attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k1, v1, pos, window, 1e-6, w_o)
             want = flint.attention_decode_ref(qkv, q_norm, k_norm, sinks, cos, sin, k2, v2, pos, window, 1e-6, w_o)
-            assert got.dtype == (torch.int64 if fused else torch.bfloat16)
-            close(kernels.fixed_to_bf16(got), want)
+            assert got.dtype == torch.bfloat16
+            close(got, want)
             close(k1, k2)
             assert torch.equal(v1, v2)
 
@@ -1337,7 +1327,7 @@ def test_moe_experts_kernel(B, pdl, nvfp4, chunk, monkeypatch):
     bf16 weights take it on SM90, where the down kernel routes the token itself (the launch order is the GPU's)."""
     E, A, C, I, S = 8, 3, 64, 32, 64
     if pdl:
-        monkeypatch.setattr(kernels, "_pdl", lambda t, nvfp4: pdl)
+        monkeypatch.setattr(kernels, "_pdl", lambda t: pdl)
         if kernels.INTERPRET:
             monkeypatch.setattr(kernels, "gdc_wait", _no_pdl)
             monkeypatch.setattr(kernels, "gdc_launch_dependents", _no_pdl)
@@ -1398,7 +1388,7 @@ def compile_kernels_for_sm90():
         built.append(self.__name__)
 
     JITFunction.run = compile_only
-    kernels._pdl_on = lambda t, nvfp4: True                             # the decode kernels with PDL, as on SM90
+    kernels._pdl_on = lambda t: True                                    # the decode kernels with PDL, as on SM90
     cfg = flint.Config(rope_theta=1e4)
     C, H, G, D, E, A = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, 256, 6
     I, S, F_ = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.intermediate_size
@@ -1585,7 +1575,6 @@ def checked_ops(worst, fast=None):
             want = getattr(flint.REFERENCE_OPS, name)(*[a.clone() if torch.is_tensor(a) else a for a in args], **kw)
             got = getattr(fast, name)(*args, **kw)
             for i, (g, w) in enumerate(zip(*[r if isinstance(r, tuple) else (r,) for r in (got, want)])):
-                g = kernels.fixed_to_bf16(g)                           # (attention's o_proj sums)
                 close(g, w)
                 err = ((g.float() - w.float()).abs().max() / w.float().abs().max()).item()
                 worst[f"{name}[{i}]"] = max(worst.get(f"{name}[{i}]", 0.0), err)
