@@ -715,18 +715,17 @@ def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, o_ptr,
 # - sliding: H200, 2026-12-03, us per layer at batch 1 / 8 / 64: 6.90 / 15.62 / 37.23 against 16 x 64 keys 6.86 /
 #   20.06 / 44.07 and 16 x 16 7.14 / 15.16 / 45.58.
 # - full (the combine in its own launch): H100, 2026-12-05, bf16 attention + combine + o_proj, us per full layer
-#   (.dev/attn_sweep.py): 128 splits of 32-key steps, 2 warps, 2 stages at 2K / 4K / 8K / 16K 12.60-12.86 /
-#   14.49-14.60 / 17.83-17.84 / 23.76-24.53 against the tiles of the combine inside o_proj 14.05-14.48 / 16.00-16.03 / 19.01-19.21
-#   / 24.63-24.90. Then 64-key steps and 4 warps: H200, 2026-12-06, whole bf16 steps (.dev/ab.py, two rounds, tok/s)
-#   at batch 1, 512 / 4K / 32K 517.2-517.8 / 513.0-513.2 / 464.6-466.4 against 510.2-510.6 / 508.1-509.6 /
-#   455.3-456.3, at batch 8, 4K / 32K 1057.4-1057.9 / 877.4-879.2 against 1050.9-1051.3 / 854.5-856.0; NVFP4 batch 8
+#   (.dev/attn_sweep.py): 128 splits of 32-key steps, 2 warps, 2 stages at 2K / 4K / 8K / 16K 12.60-12.86 / 14.49-14.60
+#   / 17.83-17.84 / 23.76-24.53 against the tiles of the combine inside o_proj (below) 14.05-14.48 / 16.00-16.03 /
+#   19.01-19.21 / 24.63-24.90. Then 64-key steps and 4 warps: H200, 2026-12-06, whole bf16 steps (.dev/ab.py, two
+#   rounds, tok/s) at batch 1, 512 / 4K / 32K 517.2-517.8 / 513.0-513.2 / 464.6-466.4 against 510.2-510.6 / 508.1-509.6
+#   / 455.3-456.3, at batch 8, 4K / 32K 1057.4-1057.9 / 877.4-879.2 against 1050.9-1051.3 / 854.5-856.0; NVFP4 batch 8
 #   1120.7-1122.2 / 933.0-933.1 against 1118.1-1118.2 / 923.5-938.9. With 3 stages, 256 splits or 8 warps: no better.
-# The combine launch takes one program per combine_d dims of a head (default: all D). Full
-# layers with 32: H200, 2026-12-06, whole bf16 steps at batch 1 (.dev/ab.py, two rounds of chained steps, tok/s) at
-# 512 / 4K / 32K 494.9-494.8 / 490.0-491.6 / 439.2-439.6 against 492.7-500.4 / 486.7-488.8 / 438.0-438.8 with
-# whole heads; H100 at 4K 411.6-411.7 against 409.7-410.5. Sliding layers with 32 (H100, 2026-12-06, same method):
-# 427.5-433.2 / 423.1-423.2 / 380.3-380.4 against 425.3-429.2 / 421.3-422.6 / 378.9, and at 4K in another run 425.2
-# against 422.5, with 64 423.9.
+# The combine launch takes one program per combine_d dims of a head (default: all D). Full layers with 32: H200,
+# 2026-12-06, whole bf16 steps at batch 1 (.dev/ab.py, two rounds of chained steps, tok/s) at 512 / 4K / 32K 494.9-494.8
+# / 490.0-491.6 / 439.2-439.6 against 492.7-500.4 / 486.7-488.8 / 438.0-438.8 with whole heads; H100 at 4K 411.6-411.7
+# against 409.7-410.5. Sliding layers with 32 (H100, 2026-12-06, same method): 427.5-433.2 / 423.1-423.2 / 380.3-380.4
+# against 425.3-429.2 / 421.3-422.6 / 378.9, and at 4K in another run 425.2 against 422.5, with 64 423.9.
 ATTENTION = dict(sliding=dict(splits=32, block=32, warps=8, stages=3, combine_d=32),
                  full=dict(min_splits=128, block=64, warps=4, stages=2, combine_d=32),
                  keys_per_split=1024, min_keys=32, short_stages=2, programs=512)
@@ -735,7 +734,7 @@ ATTENTION_INTERPRETER = dict(sliding=dict(_SMALL, combine_d=8), full=dict(_SMALL
                              keys_per_split=16, min_keys=8, short_stages=1, programs=8)
 # The splits' combine inside o_proj (one kernel whose programs each combine one head and add its share of o_proj to
 # int64 fixed-point sums, which the next norm read) was kept for NVFP4 at batch 1 until its kernels took PDL too, then
-# was slower than the combine launch and the o_proj GEMV (README, "Tried and not kept").
+# was slower than the combine launch and the o_proj GEMV (README, "How the decode kernels got here").
 
 
 def attention_decode(qkv, q_norm, k_norm, sinks, cos, sin, k_cache, v_cache, pos, window, eps, w_o):
