@@ -1253,12 +1253,12 @@ def test_attention_decode_kernel(window, S, H, G, monkeypatch):
     cos, sin = flint.rope_table(cfg, max(64, 2 * S + 8), DEV)
     q_norm, k_norm = rand_act(D, seed=5).float().abs().to(torch.bfloat16), rand_act(D, seed=6)
     sinks = torch.randn(H, device=DEV)
+    tiles = kernels.ATTENTION_INTERPRETER if kernels.INTERPRET else kernels.ATTENTION
     for step, pos in enumerate([[0, 3], [4, 5], [6, 12], [S - 1, 2 * S + 3]]):
         pos = torch.tensor(pos, device=DEV) if window else torch.tensor(pos, device=DEV).clamp(max=S - 1)
         qkv = rand_act(B, (H + 2 * G) * D, seed=10 + step)
         kc, vc = rand_act(B, S, G, D, seed=20 + step), rand_act(B, S, G, D, seed=30 + step)
         w_o = [None, rand_weight(C, H * D, seed=step), rand_weight(C, H * D, nvfp4=True, seed=step), None][step]
-        tiles = kernels.ATTENTION_INTERPRETER if kernels.INTERPRET else kernels.ATTENTION
         for combine_d in (8, D):
             for kind in ("sliding", "full"):
                 monkeypatch.setitem(tiles[kind], "combine_d", combine_d)
