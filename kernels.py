@@ -53,7 +53,10 @@ def _pdl_device(index):
 # with both changed it gains: H100, 2026-12-06, whole NVFP4 steps (.dev/ab.py, two or three alternated rounds, tok/s,
 # with the tiles and the shared expert first as now against without PDL as before) batch 1 at 512 / 4K / 32K
 # 562.6-562.7 / 547.1-550.1 / 469.7-469.8 -> 652.2-652.8 / 624.8-625.9 / 528.6-530.1, batch 2 / 4 / 8 at 4K
-# 669.9-707.6 / 929.5-960.7 / 1090.5-1121.4 -> 706.3-706.5 / 994.7-994.8 / 1101.5-1109.5.
+# 669.9-707.6 / 929.5-960.7 / 1090.5-1121.4 -> 706.3-706.5 / 994.7-994.8 / 1101.5-1109.5. The first K step's NVFP4
+# codes decoded before the wait too (2026-12-06, .dev/ab.py, two or three alternated rounds, tok/s): H200, batch 1 at
+# 4K 636.1-639.8 -> 644.3-649.3; H100, batch 1 at 512 / 32K 646.1-660.6 / 530.7 -> 663.3-664.0 / 531.6-532.2, batch 2
+# / 8 at 4K 708.3-710.7 / 1102.0-1105.4 -> 734.3 / 1108.5-1109.0.
 # One row lets the next kernel launch before the wait (PDL 2): H100, 2026-12-05, bf16 whole steps, two alternated
 # rounds (.dev/pdl_ab.py, tok/s after -> before the wait): batch 1 at 512 388.3 / 384.9 -> 398.5 / 394.0, at 32K
 # 334.8 / 338.8 -> 349.7 / 349.6; batch 2 560.4 / 562.3 -> 559.1 / 560.4, batch 8 885.2 / 888.1 -> 851.4 / 850.5
@@ -254,7 +257,7 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
     BLOCK_B input rows are < B, so no load needs a per-element mask (a third fewer instructions in the NVFP4 GEMV).
     RSTD: the norm's 1 / rms of each row is computed here, in the first step (ptxas issues the first weight tile's
     loads after the reduction's first shuffles; a barrier that put them first measured slower on an H200). PDL: the
-    first weight tile is loaded before _pdl_wait."""
+    first weight tile is loaded (NVFP4 codes also decoded) before _pdl_wait."""
     nmask = _below(offs_n, N, EVEN)
     tl.static_assert(not (NVFP4 and DOT), "NVFP4 GEMVs run one multiply-sum per row")
     if NVFP4:
@@ -270,9 +273,9 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
                            mask=nmask[None, None, :] & _below(jb, K // 2, EVEN), other=0)
             hs = k0 // 16 + hh[:, None] // 2
             sc = _load_f32(s_ptr + offs_n[None, :] * (K // 16) + hs, nmask[None, :] & _below(hs, K // 16, EVEN))
+            w_lo, w_hi = _e2m1_pair(byte)                              # (decoded before the wait)
             rstd = _first_step(rstd, k0, x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD, BLOCK_B, BLOCK_K, EVEN, RSTD,
                                PDL)
-            w_lo, w_hi = _e2m1_pair(byte)
             for b in tl.static_range(BLOCK_B):
                 rstd_b = tl.sum(tl.where(offs_b == b, rstd, 0.0), 0)
                 x_even, x_odd = _input_pairs(x_ptr, dx_ptr, nw_ptr, rstd_b, b, jb, B, K, stride_b, ADD, NORM, EVEN)
@@ -1055,7 +1058,8 @@ def _rows_dot(x_rows, w_rows, s_rows, K: tl.constexpr, NVFP4: tl.constexpr, BLOC
     K is unrolled, products accumulate elementwise and are reduced once at the end: every weight load of the
     program is issued before its one reduction, so a decode program waits on memory once, not once per expert and
     step. The shapes must be even (BLOCK_K divides K): no masks. WAIT: a PDL wait (_pdl_wait) before the inputs
-    are read; bf16 weights are then all loaded before it, in one [rows, K] tile, NVFP4 ones of the first K step."""
+    are read; bf16 weights are then all loaded before it, in one [rows, K] tile, NVFP4 ones of the first K step
+    (and decoded)."""
     if NVFP4:
         # byte j of a row holds elements 2j (low nibble) and 2j + 1 (high), read against one int32 of the input (two
         # bf16). Tiles are [words of 8 codes along K, *rows, their 4 bytes]: after the bytes (one 4-byte load per
@@ -1071,10 +1075,10 @@ def _rows_dot(x_rows, w_rows, s_rows, K: tl.constexpr, NVFP4: tl.constexpr, BLOC
         for k0 in tl.static_range(0, K, BLOCK_K):
             byte = tl.load(w_rows[None, :, :, None] + k0 // 2 + jj)
             sc = tl.load(s_rows[None, :, :] + k0 // 16 + hh[:, None, None] // 2).to(tl.float32)
-            if k0 == 0:
-                _pdl_wait(WAIT)                                       # (after the first step's weight loads)
-            x_even, x_odd = _pairs(x_rows[None, :, :, None], k0 // 2 + jj)
             w_lo, w_hi = _e2m1_pair(byte)
+            if k0 == 0:
+                _pdl_wait(WAIT)                                       # (after the first step's weights, decoded)
+            x_even, x_odd = _pairs(x_rows[None, :, :, None], k0 // 2 + jj)
             acc += _chain4(w_lo, x_even, w_hi, x_odd) * sc
         return tl.sum(acc, 0) * 16384.0
     if WAIT > 0:
