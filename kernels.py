@@ -256,8 +256,10 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
     are exact); below, one broadcast multiply-sum per row. EVEN: BLOCK_K divides K, all rows offs_n are < N and all
     BLOCK_B input rows are < B, so no load needs a per-element mask (a third fewer instructions in the NVFP4 GEMV).
     RSTD: the norm's 1 / rms of each row is computed here, in the first step (ptxas issues the first weight tile's
-    loads after the reduction's first shuffles; a barrier that put them first measured slower on an H200). PDL: the
+    loads after the reduction's first shuffles; a barrier that put them first measured slower on an H200); one row
+    whose K fits one step (ONE) takes it from the same loads as its products, so the input is read once. PDL: the
     first weight tile is loaded (NVFP4 codes also decoded) before _pdl_wait."""
+    ONE: tl.constexpr = RSTD and BLOCK_B == 1 and BLOCK_K >= K
     nmask = _below(offs_n, N, EVEN)
     tl.static_assert(not (NVFP4 and DOT), "NVFP4 GEMVs run one multiply-sum per row")
     if NVFP4:
@@ -274,11 +276,19 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
             hs = k0 // 16 + hh[:, None] // 2
             sc = _load_f32(s_ptr + offs_n[None, :] * (K // 16) + hs, nmask[None, :] & _below(hs, K // 16, EVEN))
             w_lo, w_hi = _e2m1_pair(byte)                              # (decoded before the wait)
-            rstd = _first_step(rstd, k0, x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD, BLOCK_B, BLOCK_K, EVEN, RSTD,
-                               PDL)
+            rstd = _first_step(rstd, k0, x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD, BLOCK_B, BLOCK_K, EVEN,
+                               RSTD and not ONE, PDL)
             for b in tl.static_range(BLOCK_B):
-                rstd_b = tl.sum(tl.where(offs_b == b, rstd, 0.0), 0)
-                x_even, x_odd = _input_pairs(x_ptr, dx_ptr, nw_ptr, rstd_b, b, jb, B, K, stride_b, ADD, NORM, EVEN)
+                if ONE:
+                    x_even, x_odd = _input_pairs(x_ptr, dx_ptr, nw_ptr, 1.0, b, jb, B, K, stride_b, ADD, False, EVEN)
+                    r = _rstd(tl.sum(x_even * x_even + x_odd * x_odd), K, eps)
+                    nw_even, nw_odd = _pairs(nw_ptr, jb, _below(jb, K // 2, EVEN))
+                    x_even, x_odd = _round_bf16(x_even * r * nw_even), _round_bf16(x_odd * r * nw_odd)
+                    rstd = tl.zeros([BLOCK_B], dtype=tl.float32) + r
+                else:
+                    rstd_b = tl.sum(tl.where(offs_b == b, rstd, 0.0), 0)
+                    x_even, x_odd = _input_pairs(x_ptr, dx_ptr, nw_ptr, rstd_b, b, jb, B, K, stride_b, ADD, NORM,
+                                                 EVEN)
                 part = tl.sum(w_lo * x_even + w_hi * x_odd, 1) * sc
                 if BLOCK_B == 1:
                     wide += part
@@ -299,8 +309,15 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
                 acc = _dot(acc, x, w)
             else:
                 for b in tl.static_range(BLOCK_B):
-                    rstd_b = tl.sum(tl.where(offs_b == b, rstd, 0.0), 0)
-                    x = _input_row(x_ptr, dx_ptr, nw_ptr, rstd_b, b, k0 + offs_k, B, K, stride_b, ADD, NORM, EVEN)
+                    if ONE:
+                        x = _input_row(x_ptr, dx_ptr, nw_ptr, 1.0, b, k0 + offs_k, B, K, stride_b, ADD, False, EVEN)
+                        r = _rstd(tl.sum(x * x), K, eps)
+                        x = _round_bf16(x * r * _load_f32(nw_ptr + k0 + offs_k, _below(k0 + offs_k, K, EVEN)))
+                        rstd = tl.zeros([BLOCK_B], dtype=tl.float32) + r
+                    else:
+                        rstd_b = tl.sum(tl.where(offs_b == b, rstd, 0.0), 0)
+                        x = _input_row(x_ptr, dx_ptr, nw_ptr, rstd_b, b, k0 + offs_k, B, K, stride_b, ADD, NORM,
+                                       EVEN)
                     if BLOCK_B == 1:
                         wide += w * x[None, :]
                     else:
@@ -308,6 +325,12 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
         if BLOCK_B == 1:
             acc += tl.sum(wide, 1)[None, :]
     return acc, rstd
+
+
+@triton.jit
+def _rstd(ss, K, eps):
+    """1 / rms of a row of K values from their sum of squares ss (fp32)."""
+    return 1.0 / tl.sqrt(ss / K + eps)                  # matches torch.rsqrt to an ulp
 
 
 @triton.jit
@@ -319,7 +342,7 @@ def _row_rstd(x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD: tl.constexpr, BLO
     for k0 in range(0, K, BLOCK_K):
         x = _input_rows(x_ptr, dx_ptr, x_ptr, ss, offs_b, k0 + offs_k, B, K, stride_b, ADD, False, EVEN)
         ss += tl.sum(x * x, axis=1)
-    return 1.0 / tl.sqrt(ss / K + eps)                  # matches torch.rsqrt to an ulp
+    return _rstd(ss, K, eps)
 
 
 @triton.jit
@@ -337,11 +360,12 @@ def _norm_rope(a, b, w_ptr, cos, sin, eps, D: tl.constexpr, ROPE: tl.constexpr):
 
 
 @triton.jit
-def _store_add_norm(x_ptr, dx_ptr, nw_ptr, rstd, x_out_ptr, h_out_ptr, offs_b, B, K, stride_b,
+def _store_add_norm(x_ptr, dx_ptr, nw_ptr, rstd, x_out_ptr, h_out_ptr, offs_b, B, K, stride_b, start, step,
                     ADD: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
-    """Store bf16(x + dx) and h = bf16(rmsnorm(x + dx) * nw) of input rows offs_b (outputs: rows of K)."""
+    """Store bf16(x + dx) and h = bf16(rmsnorm(x + dx) * nw) of input rows offs_b (outputs: rows of K), at columns
+    k0 .. k0 + BLOCK_K for k0 = start, start + step, ... < K."""
     offs_k = tl.arange(0, BLOCK_K)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(start, K, step):
         mask = (offs_b[:, None] < B) & (k0 + offs_k[None, :] < K)
         off = offs_b[:, None] * K + k0 + offs_k[None, :]
         s = _input_rows(x_ptr, dx_ptr, nw_ptr, rstd, offs_b, k0 + offs_k, B, K, stride_b, ADD, False, EVEN)
@@ -437,6 +461,13 @@ TILES = {
 DOT_MIN_ROWS = 5
 DOT_MIN_N, MIN_PROGRAMS = (32, 2) if INTERPRET else (1024, 256)
 WIDE_N = 32768                          # GEMVs of this many output rows (the lm_head) take the "gemv_wide" tiles
+# A normalized GEMV's first programs store x + dx and h, STORE_K columns each: program 0 storing them all ended last
+# (in-kernel timestamps, H100, 2026-12-06: qkv 0.7 us per layer shorter without that store). With one row's norm taken
+# from the GEMV's own input loads (_gemv's ONE), whole NVFP4 steps at batch 1, 4K (.dev/ab2.py, three alternated
+# rounds, tok/s): H100 640.9 / 633.9 / 634.8 -> 645.4 / 639.6 / 639.3 and 643.5 / 635.9 / 636.0 -> 646.2 / 639.2 /
+# 639.0, H200 656.8 / 650.2 / 649.8 -> 660.7 / 651.9 / 652.7 (logits unchanged); qkv 6.45 -> 6.08 us, router 2.82 ->
+# 2.60 per layer (H100)
+STORE_K = tl.constexpr(16 if INTERPRET else 64)
 
 
 def tiles(kernel, BLOCK_B, nvfp4, K):
@@ -476,10 +507,9 @@ def _linear_kernel(
     acc = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
     acc, rstd = _gemv(acc, x_ptr, dx_ptr, nw_ptr, tl.zeros([BLOCK_B], dtype=tl.float32), offs_b, B, stride_xb,
                       w_ptr, s_ptr, offs_n, N_out, K, eps, ADD, NORM, NVFP4, BLOCK_B, BLOCK_K, DOT, EVEN, NORM, PDL)
-    if NORM:
-        if pid == 0:                                                  # one program stores x + dx and h
-            _store_add_norm(x_ptr, dx_ptr, nw_ptr, rstd, x_out_ptr, h_out_ptr, offs_b, B, K, stride_xb,
-                            ADD, BLOCK_K, EVEN)
+    if NORM:                                     # x + dx and h, STORE_K columns by each of the first programs
+        _store_add_norm(x_ptr, dx_ptr, nw_ptr, rstd, x_out_ptr, h_out_ptr, offs_b, B, K, stride_xb, pid * STORE_K,
+                        tl.num_programs(0) * STORE_K, ADD, STORE_K, EVEN and BLOCK_K >= STORE_K)   # (powers of 2)
     nmask = _below(offs_n, N_out, EVEN)
     if NVFP4:
         acc *= _load_f32(rs_ptr + offs_n, nmask)[None, :]
@@ -894,7 +924,7 @@ def _add_rms_norm_kernel(x_ptr, dx_ptr, w_ptr, s_ptr, h_ptr, N, C, eps, ADD: tl.
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     _pdl_wait(PDL)
     rstd = _row_rstd(x_ptr, dx_ptr, rows, N, C, C, eps, ADD, BLOCK_R, BLOCK_C, EVEN)
-    _store_add_norm(x_ptr, dx_ptr, w_ptr, rstd, s_ptr, h_ptr, rows, N, C, C, ADD, BLOCK_C, EVEN)
+    _store_add_norm(x_ptr, dx_ptr, w_ptr, rstd, s_ptr, h_ptr, rows, N, C, C, 0, BLOCK_C, ADD, BLOCK_C, EVEN)
 
 
 def add_rms_norm(x, dx, w, eps):
