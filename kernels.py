@@ -428,13 +428,17 @@ def _block_b(B, dot=False):
 # (1, 1024, 1) 565.5-568.1; down (1, 512, 1) 583.1-584.7. Against those kept (615.9-620.2): plain (1, 2048, 4)
 # 618.8-622.9, (2, 2048, 2) 607.8-610.3; normed (2, 2048, 4) 594.3-597.4, (4, 2048, 8) 602.1-603.8, (4, 1024, 4)
 # 602.4-604.2; gate/up (1, 128, 1) 592.6-598.5, (1, 256, 2) 536.8-537.9; down (1, 128, 1) 604.3-604.7; lm_head (2,
-# 256, 1) 605.1-609.3, (4, 512, 2) 610.2-613.1, (8, 512, 2) 610.2-612.3.
+# 256, 1) 605.1-609.3, (4, 512, 2) 610.2-613.1, (8, 512, 2) 610.2-612.3. Normed again once its norm came from its own
+# input loads (a2b238b; H200, 2026-12-06, .dev/ab2.py, whole steps at batch 1 and 4K, tok/s): (4, 2048, 4) 658.1 /
+# 649.7, (4, 2048, 2) 676.3 / 667.5 (kept: 95 registers per thread, 0.91 of the GPU's for qkv's 1280 programs against
+# 1.06), (2, 2048, 2) 628.6 / 628.1, (2, 2048, 4) 619.8 / 618.1, (8, 2048, 8) 647.6 / 647.0; kept against 6b1dc8b's
+# kernels in the same process 671.5 / 667.5 / 667.6 against 651.4 / 646.3 / 646.8.
 TILES = {
     # kernel      rows  nvfp4
     ("gemv",         1, False): (2, 2048, 4),
     ("gemv",         1, True): (2, 2048, 4),
     ("gemv_norm",    1, False): (16, 1024, 4),
-    ("gemv_norm",    1, True): (4, 2048, 4),
+    ("gemv_norm",    1, True): (4, 2048, 2),
     ("gemv",         8, False): (2, 2048, 4),                         # (whole steps at batch 2-8, inputs
     ("gemv",         8, True): (2, 2048, 4),                          # normalized apart: .dev/bench_tile.py)
     ("gemv",        16, False): (16, 256, 4),
