@@ -191,8 +191,14 @@ def _input_row(x_ptr, dx_ptr, nw_ptr, rstd, b, offs_k, B, K, stride_b,
     if ADD:
         x += _load_f32(dx_ptr + b * stride_b + offs_k, mask)
     if NORM:
-        x = _round_bf16(x * rstd * _load_f32(nw_ptr + offs_k, _below(offs_k, K, EVEN)))
+        x = _normed_row(x, nw_ptr, rstd, offs_k, K, EVEN)
     return x
+
+
+@triton.jit
+def _normed_row(x, nw_ptr, rstd, offs_k, K, EVEN: tl.constexpr):
+    """x (+ dx) at columns offs_k, RMS-normalized by rstd and nw and rounded like h."""
+    return _round_bf16(x * rstd * _load_f32(nw_ptr + offs_k, _below(offs_k, K, EVEN)))
 
 
 @triton.jit
@@ -214,9 +220,15 @@ def _input_pairs(x_ptr, dx_ptr, nw_ptr, rstd, b, j, B, K, stride_b,
         dx_even, dx_odd = _pairs(dx_ptr + b * stride_b, j, mask)
         x_even, x_odd = x_even + dx_even, x_odd + dx_odd
     if NORM:
-        nw_even, nw_odd = _pairs(nw_ptr, j, _below(j, K // 2, EVEN))
-        x_even, x_odd = _round_bf16(x_even * rstd * nw_even), _round_bf16(x_odd * rstd * nw_odd)
+        x_even, x_odd = _normed_pairs(x_even, x_odd, nw_ptr, rstd, j, K, EVEN)
     return x_even, x_odd
+
+
+@triton.jit
+def _normed_pairs(x_even, x_odd, nw_ptr, rstd, j, K, EVEN: tl.constexpr):
+    """_normed_row at columns 2j and 2j + 1 (even, odd)."""
+    nw_even, nw_odd = _pairs(nw_ptr, j, _below(j, K // 2, EVEN))
+    return _round_bf16(x_even * rstd * nw_even), _round_bf16(x_odd * rstd * nw_odd)
 
 
 @triton.jit
@@ -282,8 +294,7 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
                 if ONE:
                     x_even, x_odd = _input_pairs(x_ptr, dx_ptr, nw_ptr, 1.0, b, jb, B, K, stride_b, ADD, False, EVEN)
                     r = _rstd(tl.sum(x_even * x_even + x_odd * x_odd), K, eps)
-                    nw_even, nw_odd = _pairs(nw_ptr, jb, _below(jb, K // 2, EVEN))
-                    x_even, x_odd = _round_bf16(x_even * r * nw_even), _round_bf16(x_odd * r * nw_odd)
+                    x_even, x_odd = _normed_pairs(x_even, x_odd, nw_ptr, r, jb, K, EVEN)
                     rstd = tl.zeros([BLOCK_B], dtype=tl.float32) + r
                 else:
                     rstd_b = tl.sum(tl.where(offs_b == b, rstd, 0.0), 0)
@@ -312,7 +323,7 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
                     if ONE:
                         x = _input_row(x_ptr, dx_ptr, nw_ptr, 1.0, b, k0 + offs_k, B, K, stride_b, ADD, False, EVEN)
                         r = _rstd(tl.sum(x * x), K, eps)
-                        x = _round_bf16(x * r * _load_f32(nw_ptr + k0 + offs_k, _below(k0 + offs_k, K, EVEN)))
+                        x = _normed_row(x, nw_ptr, r, k0 + offs_k, K, EVEN)
                         rstd = tl.zeros([BLOCK_B], dtype=tl.float32) + r
                     else:
                         rstd_b = tl.sum(tl.where(offs_b == b, rstd, 0.0), 0)
