@@ -1149,18 +1149,20 @@ def _moe_gate_up_kernel(
     C: tl.constexpr, E: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr, NORM_TOPK: tl.constexpr,
     NVFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (row block, slot j, token b): slot j < A is the token's j-th routed expert, slot A the shared one;
-    its gate and up rows are one [2, BLOCK_N] block of rows (gate rows n, up rows N + n). The shared expert's
-    programs come first in the grid: they need no routing (measured before moe_experts). With one row (PDL 2) the
+    """Program (pid, token b): the shared expert's S_W / BLOCK_N row blocks, then I / BLOCK_N for each of the
+    token's A routed experts (slot j < A: its j-th; slot A: the shared one), with no empty programs (below
+    moe_experts). Each takes one [2, BLOCK_N] block of rows (gate rows n, up rows N + n). The shared expert's
+    programs come first: they need no routing (measured before moe_experts). With one row (PDL 2) the
     shared expert's programs load their weights before the PDL wait, while the router still runs, and the routed
     ones let the down kernel launch only after their wait: it routes the token itself from the router's logits,
     which are then written (_moe_down_kernel). Otherwise one program records the routing for it."""
-    rb, j, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid, b = tl.program_id(0), tl.program_id(1)
     EARLY: tl.constexpr = PDL == 2
     if not EARLY:
         _pdl_wait(PDL)                                                # (the experts follow from the logits)
-    j = (j + A) % (A + 1)                                             # (program slot 0 takes the shared expert)
-    shared = j == A
+    shared = pid < S_W // BLOCK_N                                     # (the shared expert's row blocks first)
+    j = tl.where(shared, A, (pid - S_W // BLOCK_N) // (I // BLOCK_N))
+    rb = tl.where(shared, pid, (pid - S_W // BLOCK_N) % (I // BLOCK_N))
     N = tl.where(shared, S_W, I)                                      # rows of gate (and of up) in this expert
     if rb * BLOCK_N < N:
         e = tl.full([], 0, tl.int64)
@@ -1243,6 +1245,13 @@ def _moe_down_kernel(
 # 827.8-830.0, batch 8 1008.5-1019.4 against 1009.4-1012.3. NVFP4 with PDL (H100, 2026-12-06, .dev/ab.py, whole steps
 # at 4K, two rounds, tok/s): batch 1 624.8-625.9 against 615.9-620.2, batch 4 994.7-994.8 against 969.3-970.2, batch
 # 8 1101.5-1109.5 against 1100.0-1100.5; batch 2 706.3-706.5 against 730.4-732.6.
+# The grid has exactly the programs that work: a grid of max(I, S_W) / BLOCK_N row blocks per slot left the routed
+# slots' blocks past I / BLOCK_N empty, 7168 programs for NVFP4 at batch 1, more than an SM holds at once (32 each),
+# so the last ones started only when the first had finished. Whole NVFP4 steps at batch 1 (H100, 2026-12-06,
+# .dev/ab2.py, tok/s, the same logits): at 4K 660.2 / 653.4 / 653.2 -> 672.6 / 673.5 / 672.8, at 512 679.9 / 669.0 ->
+# 697.1 / 691.1. bench.py at 4K, two rounds: NVFP4 batch 2 727.9 / 725.8 -> 761.1 / 761.6, batch 4 978.0 / 972.6 ->
+# 968.4 / 970.0, batch 8 1119.6 / 1118.7 -> 1099.9 / 1109.0; bf16 batch 1 (ab2.py) 431.2 / 428.7 / 428.4 -> 431.4 /
+# 429.3 / 429.3, batches 2-8 within 0.3%.
 
 
 def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, norm_topk_prob):
@@ -1264,7 +1273,7 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
     act = torch.empty(B, top_k + 1, max(I, S_W), device=h.device, dtype=torch.bfloat16)
     ids = torch.empty(B, top_k, device=h.device, dtype=torch.int32)
     wts = torch.empty(B, top_k, device=h.device, dtype=torch.float32)
-    _moe_gate_up_kernel[(triton.cdiv(max(I, S_W), BLOCK_N), top_k + 1, B)](
+    _moe_gate_up_kernel[(S_W // BLOCK_N + top_k * (I // BLOCK_N), B)](
         h, logits, wp, sp, rsp, swp, ssp, srsp, act, ids, wts,
         I, S_W,
         C=C, E=E, A=top_k, A_PAD=triton.next_power_of_2(top_k), NORM_TOPK=norm_topk_prob, NVFP4=nvfp4,
