@@ -1250,8 +1250,8 @@ def _moe_down_kernel(
 # so the last ones started only when the first had finished. Whole NVFP4 steps at batch 1 (H100, 2026-12-06,
 # .dev/ab2.py, tok/s, the same logits): at 4K 660.2 / 653.4 / 653.2 -> 672.6 / 673.5 / 672.8, at 512 679.9 / 669.0 ->
 # 697.1 / 691.1. bench.py at 4K, two rounds: NVFP4 batch 2 727.9 / 725.8 -> 761.1 / 761.6, batch 4 978.0 / 972.6 ->
-# 968.4 / 970.0, batch 8 1119.6 / 1118.7 -> 1099.9 / 1109.0; bf16 batch 1 (ab2.py) 431.2 / 428.7 / 428.4 -> 431.4 /
-# 429.3 / 429.3, batches 2-8 within 0.3%.
+# 968.4 / 970.0, batch 8 1119.6 / 1118.7 -> 1099.9 / 1109.0 (again: 1106.7 / 1107.1 -> 1097.8 / 1097.5, 0.8% slower);
+# bf16 batch 1 (ab2.py) 431.2 / 428.7 / 428.4 -> 431.4 / 429.3 / 429.3, batches 2-8 within 0.3%.
 
 
 def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, norm_topk_prob):
