@@ -1164,33 +1164,32 @@ def _moe_gate_up_kernel(
     j = tl.where(shared, A, (pid - S_W // BLOCK_N) // (I // BLOCK_N))
     rb = tl.where(shared, pid, (pid - S_W // BLOCK_N) % (I // BLOCK_N))
     N = tl.where(shared, S_W, I)                                      # rows of gate (and of up) in this expert
-    if rb * BLOCK_N < N:
-        e = tl.full([], 0, tl.int64)
-        if j < A:                                                     # (the shared expert's loads need no routing)
-            if EARLY:
-                _pdl_wait(1)                                          # (wait, then let the down kernel launch)
-            elif (rb == 0) & (j == 0):                                # one program records the routing
-                ids, wts = _route(logits_ptr, b, E, A, A_PAD, NORM_TOPK)
-                offs_a = tl.arange(0, A_PAD)
-                tl.store(ids_ptr + b * A + offs_a, ids, mask=offs_a < A)
-                tl.store(wts_ptr + b * A + offs_a, wts, mask=offs_a < A)
-            e = _ranked(logits_ptr, b, j, E).to(tl.int64)             # (slot j needs j + 1 picks)
-        ROW_BYTES: tl.constexpr = C // 2 if NVFP4 else C
-        rows = e * 2 * I + tl.arange(0, 2)[:, None] * N + rb * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        w_rows = tl.where(shared, sw_ptr, w_ptr) + rows * ROW_BYTES
-        s_rows = tl.where(shared, ss_ptr, s_ptr) + rows * (C // 16)
-        x_rows = h_ptr + b * C + tl.zeros([1, 1], dtype=tl.int64)
-        row_scale = tl.load(tl.where(shared, srs_ptr, rs_ptr) + rows) if NVFP4 else 1.0   # (loads first: one wait)
-        acc = _rows_dot(x_rows, w_rows, s_rows, C, NVFP4, BLOCK_K, PDL if EARLY else 0) * row_scale
-        is_gate = tl.arange(0, 2)[:, None] == 0
-        g = tl.sum(tl.where(is_gate, acc, 0.0), 0)
-        u = tl.sum(tl.where(is_gate, 0.0, acc), 0)
-        # routed experts keep fp32 accumulators; the shared expert's gate/up outputs are bf16 (spec §2.5.5, §2.4)
-        g = tl.where(shared, _round_bf16(g), g)
-        u = tl.where(shared, _round_bf16(u), u)
-        act = g / (1.0 + tl.exp(-g)) * u
-        offs_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(act_ptr + (b * (A + 1) + j) * tl.maximum(I, S_W) + offs_n, _to_bf16(act))
+    e = tl.full([], 0, tl.int64)
+    if j < A:                                                         # (the shared expert's loads need no routing)
+        if EARLY:
+            _pdl_wait(1)                                              # (wait, then let the down kernel launch)
+        elif (rb == 0) & (j == 0):                                    # one program records the routing
+            ids, wts = _route(logits_ptr, b, E, A, A_PAD, NORM_TOPK)
+            offs_a = tl.arange(0, A_PAD)
+            tl.store(ids_ptr + b * A + offs_a, ids, mask=offs_a < A)
+            tl.store(wts_ptr + b * A + offs_a, wts, mask=offs_a < A)
+        e = _ranked(logits_ptr, b, j, E).to(tl.int64)                 # (slot j needs j + 1 picks)
+    ROW_BYTES: tl.constexpr = C // 2 if NVFP4 else C
+    rows = e * 2 * I + tl.arange(0, 2)[:, None] * N + rb * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    w_rows = tl.where(shared, sw_ptr, w_ptr) + rows * ROW_BYTES
+    s_rows = tl.where(shared, ss_ptr, s_ptr) + rows * (C // 16)
+    x_rows = h_ptr + b * C + tl.zeros([1, 1], dtype=tl.int64)
+    row_scale = tl.load(tl.where(shared, srs_ptr, rs_ptr) + rows) if NVFP4 else 1.0   # (loads first: one wait)
+    acc = _rows_dot(x_rows, w_rows, s_rows, C, NVFP4, BLOCK_K, PDL if EARLY else 0) * row_scale
+    is_gate = tl.arange(0, 2)[:, None] == 0
+    g = tl.sum(tl.where(is_gate, acc, 0.0), 0)
+    u = tl.sum(tl.where(is_gate, 0.0, acc), 0)
+    # routed experts keep fp32 accumulators; the shared expert's gate/up outputs are bf16 (spec §2.5.5, §2.4)
+    g = tl.where(shared, _round_bf16(g), g)
+    u = tl.where(shared, _round_bf16(u), u)
+    act = g / (1.0 + tl.exp(-g)) * u
+    offs_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(act_ptr + (b * (A + 1) + j) * tl.maximum(I, S_W) + offs_n, _to_bf16(act))
 
 
 @triton.jit
