@@ -1150,19 +1150,20 @@ def _moe_gate_up_kernel(
     NVFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (pid, token b): the shared expert's S_W / BLOCK_N row blocks, then I / BLOCK_N for each of the
-    token's A routed experts (slot j < A: its j-th; slot A: the shared one), with no empty programs (below
-    moe_experts). Each takes one [2, BLOCK_N] block of rows (gate rows n, up rows N + n). The shared expert's
-    programs come first: they need no routing (measured before moe_experts). With one row (PDL 2) the
-    shared expert's programs load their weights before the PDL wait, while the router still runs, and the routed
-    ones let the down kernel launch only after their wait: it routes the token itself from the router's logits,
-    which are then written (_moe_down_kernel). Otherwise one program records the routing for it."""
+    token's A routed experts (slot j < A: its j-th; slot A: the shared one), with no empty programs. Each takes one
+    [2, BLOCK_N] block of rows (gate rows n, up rows N + n). The shared expert's programs come first: they need no
+    routing (both measured in the note before moe_experts). With one row (PDL 2) the shared expert's programs load
+    their weights before the PDL wait, while the router still runs, and the routed ones let the down kernel launch
+    only after their wait: it routes the token itself from the router's logits, which are then written
+    (_moe_down_kernel). Otherwise one program records the routing for it."""
     pid, b = tl.program_id(0), tl.program_id(1)
     EARLY: tl.constexpr = PDL == 2
     if not EARLY:
         _pdl_wait(PDL)                                                # (the experts follow from the logits)
-    shared = pid < S_W // BLOCK_N                                     # (the shared expert's row blocks first)
-    j = tl.where(shared, A, (pid - S_W // BLOCK_N) // (I // BLOCK_N))
-    rb = tl.where(shared, pid, (pid - S_W // BLOCK_N) % (I // BLOCK_N))
+    shared_blocks = S_W // BLOCK_N                                    # (the shared expert's row blocks first)
+    shared = pid < shared_blocks
+    j = tl.where(shared, A, (pid - shared_blocks) // (I // BLOCK_N))
+    rb = tl.where(shared, pid, (pid - shared_blocks) % (I // BLOCK_N))
     N = tl.where(shared, S_W, I)                                      # rows of gate (and of up) in this expert
     e = tl.full([], 0, tl.int64)
     if j < A:                                                         # (the shared expert's loads need no routing)
