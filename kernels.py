@@ -444,6 +444,10 @@ def _block_b(B, dot=False):
 # 649.7, (4, 2048, 2) 676.3 / 667.5 (kept: 95 registers per thread, 0.91 of the GPU's for qkv's 1280 programs against
 # 1.06), (2, 2048, 2) 628.6 / 628.1, (2, 2048, 4) 619.8 / 618.1, (8, 2048, 8) 647.6 / 647.0; kept against 6b1dc8b's
 # kernels in the same process 671.5 / 667.5 / 667.6 against 651.4 / 646.3 / 646.8.
+# NVFP4 down at 2-8 rows takes two rows per program since 2026-12-06 (H100, .dev/ab2.py, whole steps at 4K, three
+# rounds, tok/s, the same logits): (2, 256, 1) against (1, 256, 1) at batch 2 783.7 / 783.6 / 788.5 against 772.0 /
+# 774.6 / 779.0, batch 4 988.6 / 988.8 / 992.7 against 982.9 / 986.6 / 991.9, batch 8 1132.1 / 1123.2 / 1123.0
+# against 1121.3 / 1113.3 / 1112.9; plain GEMVs (2, 2048, 2) and (1, 2048, 4) were slower at 2-4 rows.
 TILES = {
     # kernel      rows  nvfp4
     ("gemv",         1, False): (2, 2048, 4),
@@ -465,7 +469,7 @@ TILES = {
     ("moe_down",     1, False): (1, 512, 1),
     ("moe_down",     1, True): (1, 256, 1),
     ("moe_down",     8, False): (4, 512, 4),
-    ("moe_down",     8, True): (1, 256, 1),
+    ("moe_down",     8, True): (2, 256, 1),
 }
 
 
@@ -1143,11 +1147,9 @@ def _rows_dot(x_rows, w_rows, s_rows, K: tl.constexpr, NVFP4: tl.constexpr, BLOC
 def _moe_gate_up_kernel(
     # pointers
     h_ptr, logits_ptr, w_ptr, s_ptr, rs_ptr, sw_ptr, ss_ptr, srs_ptr, act_ptr, ids_ptr, wts_ptr,
-    # sizes
-    I, S_W,
     # meta-parameters
-    C: tl.constexpr, E: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr, NORM_TOPK: tl.constexpr,
-    NVFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    I: tl.constexpr, S_W: tl.constexpr, C: tl.constexpr, E: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr,
+    NORM_TOPK: tl.constexpr, NVFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (pid, token b): the shared expert's S_W / BLOCK_N row blocks, then I / BLOCK_N for each of the
     token's A routed experts (slot j < A: its j-th; slot A: the shared one), with no empty programs. Each takes one
@@ -1252,6 +1254,10 @@ def _moe_down_kernel(
 # 697.1 / 691.1. bench.py at 4K, two rounds: NVFP4 batch 2 727.9 / 725.8 -> 761.1 / 761.6, batch 4 978.0 / 972.6 ->
 # 968.4 / 970.0, batch 8 1119.6 / 1118.7 -> 1099.9 / 1109.0 (again: 1106.7 / 1107.1 -> 1097.8 / 1097.5, 0.8% slower);
 # bf16 batch 1 (ab2.py) 431.2 / 428.7 / 428.4 -> 431.4 / 429.3 / 429.3, batches 2-8 within 0.3%.
+# I and S_W are constexpr, so the grid's division by I / BLOCK_N is a shift, not a software division (sm_90 code of
+# the one-row NVFP4 kernel 936 -> 904 instructions). H100, 2026-12-06, .dev/ab2.py, whole NVFP4 steps at 4K, tok/s,
+# the same logits: batch 2 767.6 / 772.8 -> 775.1 / 778.4, batch 8 1102.5 / 1103.4 -> 1111.0 / 1113.7; batch 1
+# (where it ran before the PDL wait) 672.7 / 671.2 / 671.8 -> 673.1 / 671.9 / 672.0; bf16 batch 1 unchanged.
 
 
 def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, norm_topk_prob):
@@ -1275,10 +1281,8 @@ def moe_experts(h, logits, gate_up, down, shared_gate_up, shared_down, top_k, no
     wts = torch.empty(B, top_k, device=h.device, dtype=torch.float32)
     _moe_gate_up_kernel[(S_W // BLOCK_N + top_k * (I // BLOCK_N), B)](
         h, logits, wp, sp, rsp, swp, ssp, srsp, act, ids, wts,
-        I, S_W,
-        C=C, E=E, A=top_k, A_PAD=triton.next_power_of_2(top_k), NORM_TOPK=norm_topk_prob, NVFP4=nvfp4,
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PDL=pdl, num_warps=warps,
-        launch_pdl=pdl > 0)
+        I=I, S_W=S_W, C=C, E=E, A=top_k, A_PAD=triton.next_power_of_2(top_k), NORM_TOPK=norm_topk_prob,
+        NVFP4=nvfp4, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PDL=pdl, num_warps=warps, launch_pdl=pdl > 0)
     out = torch.empty_like(h)
     BLOCK_N, BLOCK_K, warps = tiles("moe_down", rows, nvfp4, I)
     assert C % BLOCK_N == 0 and I % BLOCK_K == 0, f"hidden size {C} or expert width {I} is not a multiple of the tile"
