@@ -727,10 +727,13 @@ def _attention_decode_kernel(
 
 
 @triton.jit
-def _combine(m_ptr, l_ptr, acc_ptr, sinks_ptr, b, h, d0, H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-             NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """Dims d0 .. d0 + BLOCK_D - 1 of head h of row b from its splits' partials, fp32 [BLOCK_D]: o = sum_s acc_s
-    2^(m_s - M) / (sum_s l_s 2^(m_s - M) + e^(sink - M')), M = max(m_s, sink)."""
+def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, o_ptr,
+                              H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                              SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
+    """Program (row b, head h, block of BLOCK_D dims): the attention output o [B, H * D] bf16 from the splits'
+    partials, o = sum_s acc_s 2^(m_s - M) / (sum_s l_s 2^(m_s - M) + e^(sink - M')), M = max(m_s, sink)."""
+    b, h, d0 = tl.program_id(0), tl.program_id(1), tl.program_id(2) * BLOCK_D
+    _pdl_wait(PDL)
     offs_s = tl.arange(0, SPLITS_PAD)
     smask = offs_s < NUM_SPLITS
     offs_d = d0 + tl.arange(0, BLOCK_D)
@@ -742,17 +745,7 @@ def _combine(m_ptr, l_ptr, acc_ptr, sinks_ptr, b, h, d0, H: tl.constexpr, D: tl.
     m_all = tl.maximum(tl.max(m, 0), sink)
     w = tl.exp2(m - m_all)                                            # empty splits: 2^-inf = 0
     denom = tl.sum(l * w, 0) + tl.exp2(sink - m_all)
-    return tl.sum(acc * w[:, None], 0) / denom
-
-
-@triton.jit
-def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, o_ptr,
-                              H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                              SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
-    """Program (row b, head h, block of BLOCK_D dims): the attention output o [B, H * D] bf16."""
-    b, h, d0 = tl.program_id(0), tl.program_id(1), tl.program_id(2) * BLOCK_D
-    _pdl_wait(PDL)
-    o = _combine(m_ptr, l_ptr, acc_ptr, sinks_ptr, b, h, d0, H, D, BLOCK_D, NUM_SPLITS, SPLITS_PAD)
+    o = tl.sum(acc * w[:, None], 0) / denom
     tl.store(o_ptr + (b * H + h) * D + d0 + tl.arange(0, BLOCK_D), _to_bf16(o))
 
 
