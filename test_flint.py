@@ -1976,10 +1976,13 @@ def test_gpu_chat_tiny():
 
 
 def test_bench_breakdown_tiny():
-    """bench.py's decode breakdown runs every op of a step (here the tiny model's, eagerly on the CPU): one row per
-    op kind, times positive, shares summing to the whole step."""
+    """bench.py's decode breakdown runs every op of a step (here the tiny model's: eagerly on the CPU, on CUDA the
+    fast ops in CUDA graphs, as bench.py runs it): one row per op kind, times positive, shares summing to the whole
+    step."""
     import bench
     model = tiny_model()
+    if DEV == "cuda":                                                   # the reference ops sync: not capturable
+        model.decode_ops = flint.kernel_ops()
     rows, t = bench.breakdown(model, 2, 7, iters=2)
     assert [r["op"] for r in rows] == ["qkv: add + norm + GEMV", "attention + o_proj, sliding",
                                        "attention + o_proj, full", "dense MLP", "router: add + norm + GEMV", "experts",
