@@ -23,7 +23,7 @@ import torch
 
 import flint
 import load
-from generate import PREFILL_CHUNK, prefill
+from generate import PREFILL_CHUNK, HelpFormatter, prefill
 
 def floors(dev):
     """GB/s of a device-to-device copy (read + write) and of a bf16 GEMV that reads an lm_head-sized weight."""
@@ -275,11 +275,13 @@ def main(args):
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--weights", nargs="+", default=["bf16", "nvfp4"], choices=["bf16", "nvfp4"])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--weights", nargs="+", default=["bf16", "nvfp4"], choices=["bf16", "nvfp4"],
+                   help="weight formats of the random full-size model")
     p.add_argument("--batch", nargs="*", type=int, default=[1, 8, 64], help="decode batch sizes (none: skip decode)")
-    p.add_argument("--context", nargs="+", type=int, default=[512, 32768])
-    p.add_argument("--paths", nargs="+", default=["fast", "reference"], choices=["fast", "reference"])
+    p.add_argument("--context", nargs="+", type=int, default=[512, 32768], help="cached tokens before each step")
+    p.add_argument("--paths", nargs="+", default=["fast", "reference"], choices=["fast", "reference"],
+                   help="the Triton kernels in CUDA graphs, and the plain-torch reference ops")
     p.add_argument("--breakdown", action="store_true",
                    help="also time each op of the fast decode step alone, per batch and context")
     p.add_argument("--iters", type=int, default=50, help="timed runs (of 16 graph replays) per configuration")

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 import flint  # noqa: E402
 import load  # noqa: E402
-from generate import add_model_args, load_model, prefill, sampling_expects  # noqa: E402
+from generate import HelpFormatter, add_model_args, load_model, prefill, sampling_expects  # noqa: E402
 
 HELP = """commands:
   /help                      this help
@@ -440,7 +440,7 @@ def main(args):
 
 
 def parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_model_args(p)
     p.add_argument("--system", help="system prompt")
     p.add_argument("-n", "--max-tokens", type=int, default=4096, help="longest reply, in tokens")

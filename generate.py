@@ -182,6 +182,16 @@ def main(args):
           file=sys.stderr)
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help of generate.py, chat.py and bench.py: the description's lines as written, and each flag's default
+    where it has one (not "None" where the help says what happens without it)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_model_args(p):
     """The flags generate.py and chat.py share: checkpoint, sampling, seed, device, dtype, graphs."""
     p.add_argument("-c", "--checkpoint", default="RecursiveSI/flint",
@@ -189,18 +199,18 @@ def add_model_args(p):
     p.add_argument("-t", "--temperature", type=float, help="0 = greedy (default: generation_config.json, or 1.0)")
     p.add_argument("--top-k", type=int, help="0 = off (default: generation_config.json, or 20)")
     p.add_argument("--top-p", type=float, help="1.0 = off (default: generation_config.json, or 0.95)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling's random numbers")
     p.add_argument("--device", help="cuda when available, else cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="bfloat16 on cuda, float32 on cpu")
     p.add_argument("--no-graph", action="store_true", help="decode eagerly instead of replaying a CUDA graph")
 
 
 def parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_model_args(p)
     p.add_argument("-p", "--prompt", default="Hello, my name is", help="prompt text, or - to read stdin")
     p.add_argument("--prompt-file", help="file with one prompt per line (decoded together as a batch); - = stdin")
-    p.add_argument("-n", "--max-new-tokens", type=int, default=200)
+    p.add_argument("-n", "--max-new-tokens", type=int, default=200, help="tokens to generate per prompt")
     p.add_argument("--max-seq-len", type=int, help="KV cache length (default: the model's context)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object (ids, text, stats) instead of text")

@@ -464,6 +464,25 @@ def test_generate_rejects_bad_settings(hf_tiny, tmp_path):
         assert r.returncode != 0 and "bench.py needs a CUDA GPU" in r.stderr
 
 
+def test_cli_help():
+    """--help of generate.py, chat.py and bench.py: every flag says what it does, defaults appear where there are
+    some (never "None" or "False"), and the description keeps its lines (bench.py's example commands)."""
+    import chat
+    import generate
+    bench = subprocess.run([sys.executable, str(HERE / "bench.py"), "--help"], capture_output=True, text=True,
+                           timeout=300)
+    assert bench.returncode == 0, bench.stderr
+    parsers = {"generate.py": generate.parser(), "chat.py": chat.parser()}
+    for name, p in parsers.items():
+        for action in p._actions:
+            assert action.help, f"{name} {action.option_strings}: no help"
+    for text in [p.format_help() for p in parsers.values()] + [bench.stdout]:
+        assert "(default: None)" not in text and "(default: False)" not in text, text
+    assert "\nOnly the generated text goes to stdout" in generate.parser().format_help()
+    assert "(default: 200)" in generate.parser().format_help()
+    assert "\npython bench.py --weights bf16 --paths fast" in bench.stdout and "(default: [512, 32768])" in bench.stdout
+
+
 # -----------------------------------------------------------------------------
 # Tokenizer and chat template, with HF tokenizers as the oracle
 
