@@ -1104,12 +1104,13 @@ def _rows_dot(x_rows, w_rows, s_rows, K: tl.constexpr, NVFP4: tl.constexpr, BLOC
     (and decoded)."""
     if NVFP4:
         # byte j of a row holds elements 2j (low nibble) and 2j + 1 (high), read against one int32 of the input (two
-        # bf16). Tiles are [words of 8 codes along K, *rows, their 4 bytes]: after the bytes (one 4-byte load per
-        # thread and row) threads go along K, so once BLOCK_K / 8 covers the program's threads, every thread holds
-        # all its rows at the same K, and the input, read in the [H, rows of x, 1, 4] shape of that layout, is
-        # loaded once for all the weight rows that share it (no exchange through shared memory). One e4m3 scale per
-        # 16 elements: each word's 8 products summed in one chain of FMAs, scaled, summed over K at the end (x 2^14
-        # undoes _e2m1's scaling)
+        # bf16). Tiles are [words of 8 codes along K, *rows, their 4 bytes]: threads go along K, so once BLOCK_K / 8
+        # covers the program's threads, every thread holds all its rows at the same K, and the input, read in the
+        # [H, rows of x, 1, 4] shape of that layout, is loaded once for all the weight rows that share it. (triton
+        # 3.6 loads the bytes one by one, lanes across each word, and moves the decoded codes and the input through
+        # shared memory to this layout at each K step: README, "Tried and not kept", one int32 word per thread.) One
+        # e4m3 scale per 16 elements: each word's 8 products summed in one chain of FMAs, scaled, summed over K at
+        # the end (x 2^14 undoes _e2m1's scaling)
         H: tl.constexpr = BLOCK_K // 8
         hh = tl.arange(0, H)
         jj = hh[:, None, None, None] * 4 + tl.arange(0, 4)[None, None, None, :]             # [H, 1, 1, 4]
