@@ -274,7 +274,7 @@ def main(args):
                   f"{r['peak']:.1f} |")
 
 
-if __name__ == "__main__":
+def parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--weights", nargs="+", default=["bf16", "nvfp4"], choices=["bf16", "nvfp4"],
                    help="weight formats of the random full-size model")
@@ -291,6 +291,11 @@ if __name__ == "__main__":
     p.add_argument("--reference-max", type=int, default=131072,
                    help="longest prompt to prefill on the reference path (1,400 to 500 tok/s: 4 to 5 minutes per "
                         "weight format at 128K)")
+    return p
+
+
+if __name__ == "__main__":
+    p = parser()
     args = p.parse_args()
     if not all(1 <= B <= flint.MAX_DECODE_BATCH for B in args.batch):
         p.error(f"--batch {args.batch}: each batch must be 1 to {flint.MAX_DECODE_BATCH}")
