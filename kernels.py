@@ -206,7 +206,12 @@ def _pairs(ptr, j, mask=None):
     """bf16 elements 2j and 2j + 1 at ptr, read as one int32 each (any shape of j), as fp32 (even, odd); masked
     pairs read as 0."""
     ptr = ptr.to(tl.pointer_type(tl.int32)) + j
-    pair = tl.load(ptr) if mask is None else tl.load(ptr, mask=mask, other=0)
+    return _halves(tl.load(ptr) if mask is None else tl.load(ptr, mask=mask, other=0))
+
+
+@triton.jit
+def _halves(pair):
+    """int32 pairs of bf16 -> (even, odd) fp32."""
     return (pair << 16).to(tl.float32, bitcast=True), (pair & -65536).to(tl.float32, bitcast=True)
 
 
@@ -270,7 +275,7 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
     RSTD: the norm's 1 / rms of each row is computed here, in the first step (ptxas issues the first weight tile's
     loads after the reduction's first shuffles; a barrier that put them first measured slower on an H200); one row
     whose K fits one step (ONE) takes it from the same loads as its products, so the input is read once. PDL: the
-    first weight tile is loaded (NVFP4 codes also decoded) before _pdl_wait."""
+    first weight tile is loaded (NVFP4 codes also decoded, and ONE's norm weight) before _pdl_wait."""
     ONE: tl.constexpr = RSTD and BLOCK_B == 1 and BLOCK_K >= K
     nmask = _below(offs_n, N, EVEN)
     tl.static_assert(not (NVFP4 and DOT), "NVFP4 GEMVs run one multiply-sum per row")
@@ -288,13 +293,17 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
             hs = k0 // 16 + hh[:, None] // 2
             sc = _load_f32(s_ptr + offs_n[None, :] * (K // 16) + hs, nmask[None, :] & _below(hs, K // 16, EVEN))
             w_lo, w_hi = _e2m1_pair(byte)                              # (decoded before the wait)
+            if ONE:                                                    # (the norm weight too, as int32 pairs:
+                nw_pair = tl.load(nw_ptr.to(tl.pointer_type(tl.int32)) + jb,   # as fp32 they cost qkv 125
+                                  mask=_below(jb, K // 2, EVEN), other=0)     # registers against 96)
             rstd = _first_step(rstd, k0, x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD, BLOCK_B, BLOCK_K, EVEN,
                                RSTD and not ONE, PDL)
             for b in tl.static_range(BLOCK_B):
                 if ONE:
                     x_even, x_odd = _input_pairs(x_ptr, dx_ptr, nw_ptr, 1.0, b, jb, B, K, stride_b, ADD, False, EVEN)
                     r = _rstd(tl.sum(x_even * x_even + x_odd * x_odd), K, eps)
-                    x_even, x_odd = _normed_pairs(x_even, x_odd, nw_ptr, r, jb, K, EVEN)
+                    nw_even, nw_odd = _halves(nw_pair)
+                    x_even, x_odd = _round_bf16(x_even * r * nw_even), _round_bf16(x_odd * r * nw_odd)
                     rstd = tl.zeros([BLOCK_B], dtype=tl.float32) + r
                 else:
                     rstd_b = tl.sum(tl.where(offs_b == b, rstd, 0.0), 0)
@@ -523,22 +532,25 @@ def _linear_kernel(
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     DOT: tl.constexpr = BLOCK_B >= 16
     N_out = N // 2 if SWIGLU else N
+    nmask = _below(offs_n, N_out, EVEN)
+    if NVFP4:                                    # the row scales before the wait too: loaded after the products,
+        rs_g = _load_f32(rs_ptr + offs_n, nmask)                      # they cost a round trip at the end
+        rs_u = _load_f32(rs_ptr + N_out + offs_n, nmask) if SWIGLU else rs_g
     acc = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
     acc, rstd = _gemv(acc, x_ptr, dx_ptr, nw_ptr, tl.zeros([BLOCK_B], dtype=tl.float32), offs_b, B, stride_xb,
                       w_ptr, s_ptr, offs_n, N_out, K, eps, ADD, NORM, NVFP4, BLOCK_B, BLOCK_K, DOT, EVEN, NORM, PDL)
     if NORM:                                     # x + dx and h, STORE_K columns by each of the first programs
         _store_add_norm(x_ptr, dx_ptr, nw_ptr, rstd, x_out_ptr, h_out_ptr, offs_b, B, K, stride_xb, pid * STORE_K,
                         tl.num_programs(0) * STORE_K, ADD, STORE_K, EVEN and BLOCK_K >= STORE_K)   # (powers of 2)
-    nmask = _below(offs_n, N_out, EVEN)
     if NVFP4:
-        acc *= _load_f32(rs_ptr + offs_n, nmask)[None, :]
+        acc *= rs_g[None, :]
     if SWIGLU:                                                        # up rows follow the gate rows
         u = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
         u, _ = _gemv(u, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_xb, w_ptr + N_out * (K // 2 if NVFP4 else K),
                      s_ptr + N_out * (K // 16), offs_n, N_out, K, eps, ADD, NORM, NVFP4, BLOCK_B, BLOCK_K, DOT, EVEN,
                      False, False)
         if NVFP4:
-            u *= _load_f32(rs_ptr + N_out + offs_n, nmask)[None, :]
+            u *= rs_u[None, :]
         g, u = _round_bf16(acc), _round_bf16(u)                       # the dense gate/up GEMMs output bf16
         acc = g / (1.0 + tl.exp(-g)) * u
     mask = (offs_b[:, None] < B) & nmask[None, :]
@@ -1100,29 +1112,31 @@ def _rows_dot(x_rows, w_rows, s_rows, K: tl.constexpr, NVFP4: tl.constexpr, BLOC
     K is unrolled, products accumulate elementwise and are reduced once at the end: every weight load of the
     program is issued before its one reduction, so a decode program waits on memory once, not once per expert and
     step. The shapes must be even (BLOCK_K divides K): no masks. WAIT: a PDL wait (_pdl_wait) before the inputs
-    are read; bf16 weights are then all loaded before it, in one [rows, K] tile, NVFP4 ones of the first K step
-    (and decoded)."""
+    are read; the weights are all loaded before it (bf16 in one [rows, K] tile; NVFP4 step by step, in program
+    order before any product, the first step also decoded)."""
     if NVFP4:
         # byte j of a row holds elements 2j (low nibble) and 2j + 1 (high), read against one int32 of the input (two
         # bf16). Tiles are [words of 8 codes along K, *rows, their 4 bytes]: threads go along K, so once BLOCK_K / 8
         # covers the program's threads, every thread holds all its rows at the same K, and the input, read in the
-        # [H, rows of x, 1, 4] shape of that layout, is loaded once for all the weight rows that share it. (triton
-        # 3.6 loads the bytes one by one, lanes across each word, and moves the decoded codes and the input through
-        # shared memory to this layout at each K step: README, "Tried and not kept", one int32 word per thread.) One
-        # e4m3 scale per 16 elements: each word's 8 products summed in one chain of FMAs, scaled, summed over K at
-        # the end (x 2^14 undoes _e2m1's scaling)
+        # [H, rows of x, 1, 4] shape of that layout, is loaded once for all the weight rows that share it (sm_90
+        # code from triton 3.6 with the launch's 16-byte alignment: each word one 32-bit load, the input 16 bytes at
+        # a time, no barrier). One e4m3 scale per 16 elements: each word's 8 products summed in one chain of FMAs,
+        # scaled, summed over K at the end (x 2^14 undoes _e2m1's scaling)
         H: tl.constexpr = BLOCK_K // 8
         hh = tl.arange(0, H)
         jj = hh[:, None, None, None] * 4 + tl.arange(0, 4)[None, None, None, :]             # [H, 1, 1, 4]
         acc = tl.zeros([H, w_rows.shape[0], w_rows.shape[1]], dtype=tl.float32)
-        for k0 in tl.static_range(0, K, BLOCK_K):
-            byte = tl.load(w_rows[None, :, :, None] + k0 // 2 + jj)
-            sc = tl.load(s_rows[None, :, :] + k0 // 16 + hh[:, None, None] // 2).to(tl.float32)
-            w_lo, w_hi = _e2m1_pair(byte)
-            if k0 == 0:
-                _pdl_wait(WAIT)                                       # (after the first step's weights, decoded)
-            x_even, x_odd = _pairs(x_rows[None, :, :, None], k0 // 2 + jj)
-            acc += _chain4(w_lo, x_even, w_hi, x_odd) * sc
+        codes, scales = (), ()                            # every step's loads first, in program order: one wait
+        for k0 in tl.static_range(0, K, BLOCK_K):         # on memory (and before the PDL wait)
+            codes = codes + (tl.load(w_rows[None, :, :, None] + k0 // 2 + jj),)
+            scales = scales + (tl.load(s_rows[None, :, :] + k0 // 16 + hh[:, None, None] // 2),)
+        w_lo, w_hi = _e2m1_pair(codes[0])
+        _pdl_wait(WAIT)                                               # (after the weights' loads, step 0 decoded)
+        for i in tl.static_range(K // BLOCK_K):
+            if i > 0:
+                w_lo, w_hi = _e2m1_pair(codes[i])
+            x_even, x_odd = _pairs(x_rows[None, :, :, None], i * (BLOCK_K // 2) + jj)
+            acc += _chain4(w_lo, x_even, w_hi, x_odd) * scales[i].to(tl.float32)
         return tl.sum(acc, 0) * 16384.0
     if WAIT > 0:
         offs = tl.arange(0, K)[None, None, :]
