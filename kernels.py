@@ -202,17 +202,22 @@ def _normed_row(x, nw_ptr, rstd, offs_k, K, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _pairs(ptr, j, mask=None):
-    """bf16 elements 2j and 2j + 1 at ptr, read as one int32 each (any shape of j), as fp32 (even, odd); masked
-    pairs read as 0."""
+def _pair_words(ptr, j, mask=None):
+    """bf16 elements 2j and 2j + 1 at ptr as one int32 each (any shape of j); masked pairs read as 0."""
     ptr = ptr.to(tl.pointer_type(tl.int32)) + j
-    return _halves(tl.load(ptr) if mask is None else tl.load(ptr, mask=mask, other=0))
+    return tl.load(ptr) if mask is None else tl.load(ptr, mask=mask, other=0)
 
 
 @triton.jit
 def _halves(pair):
-    """int32 pairs of bf16 -> (even, odd) fp32."""
+    """int32 pairs of bf16 (_pair_words) -> (even, odd) fp32."""
     return (pair << 16).to(tl.float32, bitcast=True), (pair & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pairs(ptr, j, mask=None):
+    """_pair_words as fp32 (even, odd)."""
+    return _halves(_pair_words(ptr, j, mask))
 
 
 @triton.jit
@@ -225,14 +230,14 @@ def _input_pairs(x_ptr, dx_ptr, nw_ptr, rstd, b, j, B, K, stride_b,
         dx_even, dx_odd = _pairs(dx_ptr + b * stride_b, j, mask)
         x_even, x_odd = x_even + dx_even, x_odd + dx_odd
     if NORM:
-        x_even, x_odd = _normed_pairs(x_even, x_odd, nw_ptr, rstd, j, K, EVEN)
+        x_even, x_odd = _normed_pairs(x_even, x_odd, _pair_words(nw_ptr, j, _below(j, K // 2, EVEN)), rstd)
     return x_even, x_odd
 
 
 @triton.jit
-def _normed_pairs(x_even, x_odd, nw_ptr, rstd, j, K, EVEN: tl.constexpr):
-    """_normed_row at columns 2j and 2j + 1 (even, odd)."""
-    nw_even, nw_odd = _pairs(nw_ptr, j, _below(j, K // 2, EVEN))
+def _normed_pairs(x_even, x_odd, nw_pair, rstd):
+    """_normed_row at columns 2j and 2j + 1 (even, odd), with the norm weight's int32 pairs there (_pair_words)."""
+    nw_even, nw_odd = _halves(nw_pair)
     return _round_bf16(x_even * rstd * nw_even), _round_bf16(x_odd * rstd * nw_odd)
 
 
@@ -294,16 +299,14 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
             sc = _load_f32(s_ptr + offs_n[None, :] * (K // 16) + hs, nmask[None, :] & _below(hs, K // 16, EVEN))
             w_lo, w_hi = _e2m1_pair(byte)                              # (decoded before the wait)
             if ONE:                                                    # (the norm weight too, as int32 pairs:
-                nw_pair = tl.load(nw_ptr.to(tl.pointer_type(tl.int32)) + jb,   # as fp32 they cost qkv 125
-                                  mask=_below(jb, K // 2, EVEN), other=0)     # registers against 96)
+                nw_pair = _pair_words(nw_ptr, jb, _below(jb, K // 2, EVEN))   # as fp32, qkv took 125 registers
             rstd = _first_step(rstd, k0, x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD, BLOCK_B, BLOCK_K, EVEN,
                                RSTD and not ONE, PDL)
             for b in tl.static_range(BLOCK_B):
                 if ONE:
                     x_even, x_odd = _input_pairs(x_ptr, dx_ptr, nw_ptr, 1.0, b, jb, B, K, stride_b, ADD, False, EVEN)
                     r = _rstd(tl.sum(x_even * x_even + x_odd * x_odd), K, eps)
-                    nw_even, nw_odd = _halves(nw_pair)
-                    x_even, x_odd = _round_bf16(x_even * r * nw_even), _round_bf16(x_odd * r * nw_odd)
+                    x_even, x_odd = _normed_pairs(x_even, x_odd, nw_pair, r)
                     rstd = tl.zeros([BLOCK_B], dtype=tl.float32) + r
                 else:
                     rstd_b = tl.sum(tl.where(offs_b == b, rstd, 0.0), 0)
