@@ -325,6 +325,8 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
         for k0 in tl.static_range(0, K, BLOCK_K):
             wmask = nmask[:, None] & _below(k0 + offs_k[None, :], K, EVEN)
             w = _load_f32(w_ptr + offs_n[:, None] * K + k0 + offs_k[None, :], wmask)
+            if ONE:                                                    # (the norm weight before the wait too)
+                nw = _load_f32(nw_ptr + k0 + offs_k, _below(k0 + offs_k, K, EVEN))
             rstd = _first_step(rstd, k0, x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD, BLOCK_B, BLOCK_K, EVEN, RSTD,
                                PDL)
             if DOT:
@@ -335,7 +337,7 @@ def _gemv(acc, x_ptr, dx_ptr, nw_ptr, rstd, offs_b, B, stride_b,
                     if ONE:
                         x = _input_row(x_ptr, dx_ptr, nw_ptr, 1.0, b, k0 + offs_k, B, K, stride_b, ADD, False, EVEN)
                         r = _rstd(tl.sum(x * x), K, eps)
-                        x = _normed_row(x, nw_ptr, r, k0 + offs_k, K, EVEN)
+                        x = _round_bf16(x * r * nw)
                         rstd = tl.zeros([BLOCK_B], dtype=tl.float32) + r
                     else:
                         rstd_b = tl.sum(tl.where(offs_b == b, rstd, 0.0), 0)
@@ -369,14 +371,22 @@ def _row_rstd(x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD: tl.constexpr, BLO
 
 
 @triton.jit
-def _norm_rope(a, b, w_ptr, cos, sin, eps, D: tl.constexpr, ROPE: tl.constexpr):
-    """Halves a, b [..., D/2] (dims d and d + D/2) of heads, fp32: RMS-normalized over each head with the shared
-    weight w and rounded, then (ROPE) NeoX-rotated by cos, sin (fp32 table rows, [D/2] or a's shape) and rounded
-    again."""
+def _halves_f32(w_ptr, D: tl.constexpr):
+    """A head's norm weight [D] as its halves (dims d and d + D/2), fp32."""
     d = tl.arange(0, D // 2)
+    return tl.load(w_ptr + d).to(tl.float32), tl.load(w_ptr + D // 2 + d).to(tl.float32)
+
+
+@triton.jit
+def _norm_rope(a, b, w_a, w_b, cos, sin, eps, D: tl.constexpr, ROPE: tl.constexpr):
+    """Halves a, b [..., D/2] (dims d and d + D/2) of heads, fp32: RMS-normalized over each head with the shared
+    weight's halves w_a, w_b (_halves_f32) and rounded, then (ROPE) NeoX-rotated by cos, sin (fp32 table rows, [D/2]
+    or a's shape) and rounded again. Which product of each rotation the compiler fuses into an FMA follows the code
+    around it (since the weights load before the PDL wait, b * cos + a * sin fuses a * sin, not b * cos): 1 fp32 ulp
+    that now and then moves a bf16 rounding."""
     rstd = tl.expand_dims(1.0 / tl.sqrt((tl.sum(a * a, -1) + tl.sum(b * b, -1)) / D + eps), -1)
-    a = _round_bf16(a * rstd * tl.load(w_ptr + d).to(tl.float32))
-    b = _round_bf16(b * rstd * tl.load(w_ptr + D // 2 + d).to(tl.float32))
+    a = _round_bf16(a * rstd * w_a)
+    b = _round_bf16(b * rstd * w_b)
     if ROPE:
         a, b = _round_bf16(a * cos - b * sin), _round_bf16(b * cos + a * sin)
     return a, b
@@ -684,6 +694,8 @@ def _attention_decode_kernel(
         end = tl.minimum(start + chunk, S)
         kt1, kt2, vt = _kv_tile(k_cache_ptr, v_cache_ptr, cache_b, start + offs_s, start + offs_s < end,
                                 stride_cs, D)
+    qn_a, qn_b = _halves_f32(qn_ptr, D)                              # (the q/k norm weights before the wait too)
+    kn_a, kn_b = _halves_f32(kn_ptr, D)
     _pdl_wait(PDL)                                                    # (the slots read are earlier steps')
     p = tl.load(pos_ptr + b)
 
@@ -693,12 +705,12 @@ def _attention_decode_kernel(
     q1, q2 = _load_f32(q_ptr, rmask), _load_f32(q_ptr + HALF, rmask)
     k_ptr = row + (H + g) * D + offs_d
     k1, k2 = _load_f32(k_ptr, offs_d < HALF), _load_f32(k_ptr + HALF, offs_d < HALF)
+    v = _load_f32(row + (H + G + g) * D + offs_v, offs_v < D)
     cos, sin = tl.zeros([HALF], dtype=tl.float32), tl.zeros([HALF], dtype=tl.float32)  # full: no RoPE
     if WINDOW > 0:
         cos, sin = tl.load(cos_ptr + p * HALF + offs_d), tl.load(sin_ptr + p * HALF + offs_d)
-    q1, q2 = _norm_rope(q1, q2, qn_ptr, cos, sin, eps, D, WINDOW > 0)
-    k1, k2 = _norm_rope(k1, k2, kn_ptr, cos, sin, eps, D, WINDOW > 0)
-    v = _load_f32(row + (H + G + g) * D + offs_v, offs_v < D)
+    q1, q2 = _norm_rope(q1, q2, qn_a, qn_b, cos, sin, eps, D, WINDOW > 0)
+    k1, k2 = _norm_rope(k1, k2, kn_a, kn_b, cos, sin, eps, D, WINDOW > 0)
 
     # ---- store k, v at slot p % S (the ring on sliding layers; S = max length on full layers, p < S)
     newest = p % S
@@ -947,11 +959,18 @@ def sink_attention(q, k, v, sinks, q_pos, k_pos, window):
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, dx_ptr, w_ptr, s_ptr, h_ptr, N, C, eps, ADD: tl.constexpr, BLOCK_R: tl.constexpr,
                          BLOCK_C: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
-    """Program (block of BLOCK_R rows): the residual add + RMSNorm that add_norm_linear's first program stores."""
+    """Program (block of BLOCK_R rows of C <= BLOCK_C columns): the residual add + RMSNorm that add_norm_linear's
+    first programs store, from one load of x (+ dx); the norm weight is loaded before the PDL wait."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs = tl.arange(0, BLOCK_C)
+    w = _load_f32(w_ptr + offs, _below(offs, C, EVEN))
     _pdl_wait(PDL)
-    rstd = _row_rstd(x_ptr, dx_ptr, rows, N, C, C, eps, ADD, BLOCK_R, BLOCK_C, EVEN)
-    _store_add_norm(x_ptr, dx_ptr, w_ptr, rstd, s_ptr, h_ptr, rows, N, C, C, 0, BLOCK_C, ADD, BLOCK_C, EVEN)
+    x = _input_rows(x_ptr, dx_ptr, w_ptr, w, rows, offs, N, C, C, ADD, False, EVEN)
+    rstd = _rstd(tl.sum(x * x, 1), C, eps)
+    mask = (rows[:, None] < N) & _below(offs, C, EVEN)[None, :]
+    out = rows[:, None] * C + offs[None, :]
+    tl.store(s_ptr + out, _to_bf16(x), mask=mask)
+    tl.store(h_ptr + out, _to_bf16(x * rstd[:, None] * w[None, :]), mask=mask)
 
 
 def add_rms_norm(x, dx, w, eps):
@@ -986,7 +1005,8 @@ def _heads_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, n, heads, str
     if ROPE:                                                          # (full layers: none)
         cos, sin = _load_f32(cos_ptr + row[:, None] * HALF + d[None, :], mask), \
             _load_f32(sin_ptr + row[:, None] * HALF + d[None, :], mask)
-    a, b = _norm_rope(_load_f32(lo, mask), _load_f32(lo + HALF, mask), w_ptr, cos, sin, eps, D, ROPE)
+    w_a, w_b = _halves_f32(w_ptr, D)
+    a, b = _norm_rope(_load_f32(lo, mask), _load_f32(lo + HALF, mask), w_a, w_b, cos, sin, eps, D, ROPE)
     out = y_ptr + i[:, None] * D + d[None, :]
     tl.store(out, _to_bf16(a), mask=mask)
     tl.store(out + HALF, _to_bf16(b), mask=mask)
