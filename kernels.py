@@ -371,8 +371,8 @@ def _row_rstd(x_ptr, dx_ptr, offs_b, B, K, stride_b, eps, ADD: tl.constexpr, BLO
 
 
 @triton.jit
-def _halves_f32(w_ptr, D: tl.constexpr):
-    """A head's norm weight [D] as its halves (dims d and d + D/2), fp32."""
+def _head_halves(w_ptr, D: tl.constexpr):
+    """A head's norm weight [D] as its two halves (dims d and d + D/2), fp32: _norm_rope's w_a, w_b."""
     d = tl.arange(0, D // 2)
     return tl.load(w_ptr + d).to(tl.float32), tl.load(w_ptr + D // 2 + d).to(tl.float32)
 
@@ -380,7 +380,7 @@ def _halves_f32(w_ptr, D: tl.constexpr):
 @triton.jit
 def _norm_rope(a, b, w_a, w_b, cos, sin, eps, D: tl.constexpr, ROPE: tl.constexpr):
     """Halves a, b [..., D/2] (dims d and d + D/2) of heads, fp32: RMS-normalized over each head with the shared
-    weight's halves w_a, w_b (_halves_f32) and rounded, then (ROPE) NeoX-rotated by cos, sin (fp32 table rows, [D/2]
+    weight's halves w_a, w_b (_head_halves) and rounded, then (ROPE) NeoX-rotated by cos, sin (fp32 table rows, [D/2]
     or a's shape) and rounded again. Which product of each rotation the compiler fuses into an FMA follows the code
     around it (since the weights load before the PDL wait, b * cos + a * sin fuses a * sin, not b * cos): 1 fp32 ulp
     that now and then moves a bf16 rounding."""
@@ -694,8 +694,8 @@ def _attention_decode_kernel(
         end = tl.minimum(start + chunk, S)
         kt1, kt2, vt = _kv_tile(k_cache_ptr, v_cache_ptr, cache_b, start + offs_s, start + offs_s < end,
                                 stride_cs, D)
-    qn_a, qn_b = _halves_f32(qn_ptr, D)                              # (the q/k norm weights before the wait too)
-    kn_a, kn_b = _halves_f32(kn_ptr, D)
+    qn_a, qn_b = _head_halves(qn_ptr, D)                              # (the q/k norm weights before the wait too)
+    kn_a, kn_b = _head_halves(kn_ptr, D)
     _pdl_wait(PDL)                                                    # (the slots read are earlier steps')
     p = tl.load(pos_ptr + b)
 
@@ -965,7 +965,7 @@ def _add_rms_norm_kernel(x_ptr, dx_ptr, w_ptr, s_ptr, h_ptr, N, C, eps, ADD: tl.
     offs = tl.arange(0, BLOCK_C)
     w = _load_f32(w_ptr + offs, _below(offs, C, EVEN))
     _pdl_wait(PDL)
-    x = _input_rows(x_ptr, dx_ptr, w_ptr, w, rows, offs, N, C, C, ADD, False, EVEN)
+    x = _input_rows(x_ptr, dx_ptr, w_ptr, 1.0, rows, offs, N, C, C, ADD, False, EVEN)       # (not normalized here)
     rstd = _rstd(tl.sum(x * x, 1), C, eps)
     mask = (rows[:, None] < N) & _below(offs, C, EVEN)[None, :]
     out = rows[:, None] * C + offs[None, :]
@@ -1005,7 +1005,7 @@ def _heads_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, n, heads, str
     if ROPE:                                                          # (full layers: none)
         cos, sin = _load_f32(cos_ptr + row[:, None] * HALF + d[None, :], mask), \
             _load_f32(sin_ptr + row[:, None] * HALF + d[None, :], mask)
-    w_a, w_b = _halves_f32(w_ptr, D)
+    w_a, w_b = _head_halves(w_ptr, D)
     a, b = _norm_rope(_load_f32(lo, mask), _load_f32(lo + HALF, mask), w_a, w_b, cos, sin, eps, D, ROPE)
     out = y_ptr + i[:, None] * D + d[None, :]
     tl.store(out, _to_bf16(a), mask=mask)
