@@ -23,7 +23,7 @@ import torch
 
 import flint
 import load
-from generate import PREFILL_CHUNK, HelpFormatter, prefill
+from generate import PREFILL_CHUNK, HelpFormatter, decode, prefill
 
 def floors(dev):
     """GB/s of a device-to-device copy (read + write) and of a bf16 GEMV that reads an lm_head-sized weight."""
@@ -86,21 +86,21 @@ def timed(fn, dev, iters, graph=False):
     return statistics.median(times)
 
 
-CHAIN = 16   # decode steps per timed run, queued back to back as generate.generate queues them
+# decode steps per timed run, as generate.decode runs them. Each run starts and ends with the host waiting (as a reply
+# does): H100, NVFP4 batch 1 at 4K, 2026-12-07 (.dev/bnd2.py, us per step) 1407.9 in runs of 16, 1402.9 of 128
+CHAIN = 64
 
 
 def time_steps(step, B, ctx, dev, iters, chain=CHAIN):
-    """Median seconds of one decode step at position ctx, from runs of `chain` steps queued as generate.generate
-    queues them (each step going on from the one before, its ids copied to the host without waiting); the cache
-    holds ctx + chain slots."""
-    cuda = dev.type == "cuda"
+    """Median seconds of one decode step at position ctx, from runs of `chain` steps as generate.decode runs them
+    (each step going on from the one before, its ids copied to the host beside the step after it); the cache holds
+    ctx + chain slots."""
     ids = torch.randint(0, step.model.cfg.vocab_size, (B,), device=dev)
     pos = torch.full((B,), ctx, device=dev)
-    host = torch.empty(B, dtype=torch.long, pin_memory=cuda)
 
     def run():
-        for i in range(chain):
-            host.copy_(step() if i else step(ids, pos), non_blocking=cuda)
+        for _ in decode(step, ids, pos, chain + 1):                     # (the first yield is ids itself)
+            pass
     return timed(run, dev, iters) / chain
 
 
@@ -284,7 +284,7 @@ def parser():
                    help="the Triton kernels in CUDA graphs, and the plain-torch reference ops")
     p.add_argument("--breakdown", action="store_true",
                    help="also time each op of the fast decode step alone, per batch and context")
-    p.add_argument("--iters", type=int, default=50, help="timed runs (of 16 graph replays) per configuration")
+    p.add_argument("--iters", type=int, default=15, help=f"timed runs (of {CHAIN} graph replays) per configuration")
     p.add_argument("--prefill", nargs="*", type=int, default=[512, 8192, 32768, 131072],
                    help="prompt lengths for the prefill benchmark (none: skip it)")
     p.add_argument("--chunk", type=int, default=PREFILL_CHUNK, help="prefill chunk size")

@@ -642,41 +642,46 @@ class DecodeStep:
 
     Everything the step reads lives in static buffers (ids, positions, the cache, the rope table), and the step
     itself writes the ids it samples and the positions + 1 there: a step is one replay, and the next one can be
-    queued at once. The warm-up steps (which also compile the Triton kernels) write slot 0 of the cache, which is
-    restored afterwards. graph=False runs the same step eagerly."""
+    queued at once. Steps alternate between two id buffers (step n reads ids[n % 2] and writes ids[(n + 1) % 2],
+    one graph each), so a step's output stays intact while the step after it runs: it can be copied to the host
+    beside that step instead of between the two (generate.decode). The warm-up steps (which also compile the Triton
+    kernels) write slot 0 of the cache, which is restored afterwards. graph=False runs the same steps eagerly."""
 
     def __init__(self, model, cache, temperature, top_k, top_p, n_vocab=None, graph=True):
-        self.model, self.cache, self.graph = model, cache, None
+        self.model, self.cache, self.graphs = model, cache, None
         self.sampling, self.n_vocab = (temperature, top_k, top_p), n_vocab
         B, dev = cache.batch_size, model.device
-        self.ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        self.ids = torch.zeros(2, B, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        self.n = 0                                                       # steps queued: the next one reads ids[n % 2]
         slot0 = [t[:, 0].clone() for t in cache.k + cache.v]
-        self.out = self._warm_up()                                       # (and the rope table)
+        self._warm_up()                                                  # (and the rope table)
         if graph:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):                              # warmup on a side stream, as torch asks
                 self._warm_up()
             torch.cuda.current_stream().wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):                           # capture
-                self.out = self._step()
+            self.graphs = [torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()]
+            for k, g in enumerate(self.graphs):                          # capture (one memory pool: they run in turn)
+                with torch.cuda.graph(g, pool=self.graphs[0].pool() if k else None):
+                    self._step(k)
         for t, saved in zip(cache.k + cache.v, slot0):
             t[:, 0] = saved
 
     def _warm_up(self):
         self.ids.zero_()
         self.pos.zero_()                                                 # (a step advances it)
-        return self._step()
+        self._step(0)
 
-    def _step(self):
-        logits = self.model(self.ids, self.pos, self.cache)[:, -1]
+    def _step(self, k):
+        ids, out = self.ids[k], self.ids[1 - k]
+        logits = self.model(ids, self.pos, self.cache)[:, -1]
         if self.sampling[0] == 0:                                        # greedy: one op (a kernel on the GPU)
-            return self.model.decode_ops.greedy_next(logits, self.n_vocab or logits.shape[-1], self.ids, self.pos)
-        self.ids.copy_(self.sample(logits)[:, None])
+            return self.model.decode_ops.greedy_next(logits, self.n_vocab or logits.shape[-1], out, self.pos)
+        out.copy_(self.sample(logits)[:, None])
         self.pos.add_(1)
-        return self.ids[:, 0]
+        return out[:, 0]
 
     def sample(self, logits):
         """Next ids [B] from fp32 logits [B, V] with this step's sampling settings."""
@@ -685,16 +690,19 @@ class DecodeStep:
         return sample(logits, *self.sampling)
 
     def __call__(self, ids=None, pos=None):
-        """The next ids [B] (a static buffer, the next step's input: copy it to keep it). ids, pos [B] on the device
-        set the step's input; without them it goes on from the step before."""
+        """Queues one step and returns its next ids [B]: a static buffer, the next step's input, which the step
+        after that rewrites (copy it before queuing that one). ids, pos [B] on the device set the step's input;
+        without them it goes on from the step before."""
+        k = self.n % 2
         if ids is not None:
-            self.ids.copy_(ids[:, None])
+            self.ids[k].copy_(ids[:, None])
             self.pos.copy_(pos[:, None])
-        if self.graph is None:
-            self.out = self._step()
+        if self.graphs is None:
+            self._step(k)
         else:
-            self.graph.replay()
-        return self.out
+            self.graphs[k].replay()
+        self.n += 1
+        return self.ids[1 - k, :, 0]
 
 
 # -----------------------------------------------------------------------------

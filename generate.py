@@ -44,23 +44,35 @@ def prefill(model, cache, ids, start=0, chunk_size=PREFILL_CHUNK):
 def generate(model, cache, prompts, max_new_tokens, temperature, top_k, top_p, n_vocab=None, graph=True):
     """Prefill each prompt (lists of token ids) into its row of the cache, then decode all rows together, one
     CUDA-graph replay per token on the GPU. Yields the sampled ids [B] (a CPU tensor) once per step; the caller
-    decides when to stop. Each step is queued on the GPU before the ids of the one before are read back, so the
-    GPU never waits for the host between tokens (a step queued past the caller's stop writes one more cache slot,
-    which nothing reads)."""
+    decides when to stop (a step queued past the stop writes one more cache slot, which nothing reads)."""
     dev = model.device
-    cuda = dev.type == "cuda"
-    step = flint.DecodeStep(model, cache, temperature, top_k, top_p, n_vocab, graph=graph and cuda)
+    step = flint.DecodeStep(model, cache, temperature, top_k, top_p, n_vocab, graph=graph and dev.type == "cuda")
     logits = [prefill(model, cache.row(b), ids) for b, ids in enumerate(prompts)]   # lengths differ: one by one
     tok = step.sample(torch.cat(logits))                                # [B]
     pos = torch.tensor([len(ids) for ids in prompts], device=dev)       # [B] next position per row
-    host = torch.empty(len(prompts), dtype=torch.long, pin_memory=cuda)   # the ids come back through it
+    yield from decode(step, tok, pos, max_new_tokens)
+
+
+def decode(step, tok, pos, n):
+    """Yields tok [B] (on the device), then the n - 1 steps' ids that follow it from positions pos [B], as CPU
+    tensors. Each step is queued on the GPU before the ids of the one before are read back, and those are copied on
+    a side stream while it runs, so the GPU never waits for the host, nor for a copy, between tokens. (DecodeStep
+    keeps a step's output until the step after next, which is queued only once its copy is done.)"""
+    cuda = tok.device.type == "cuda"
+    host = torch.empty(tok.shape, dtype=torch.long, pin_memory=cuda)   # the ids come back through it
+    copier = torch.cuda.Stream(tok.device) if cuda else None
     copied = torch.cuda.Event() if cuda else None
-    for i in range(max_new_tokens):
-        host.copy_(tok, non_blocking=cuda)
+    for i in range(n):
         if cuda:
-            copied.record()
-        if i + 1 < max_new_tokens:  # the next step, queued before this one's ids are read: it starts at tok, pos
-            tok = step() if i else step(tok, pos)   # then goes on from its own output (its static input buffer)
+            copier.wait_stream(torch.cuda.current_stream())             # (after the step that wrote tok)
+            tok.record_stream(copier)                                   # (no reuse of its memory before)
+            with torch.cuda.stream(copier):
+                host.copy_(tok, non_blocking=True)
+                copied.record()
+        else:
+            host.copy_(tok)
+        if i + 1 < n:      # the next step, queued before this one's ids are read: it starts at tok, pos
+            tok = step() if i else step(tok, pos)   # then goes on from its own output (a static buffer)
         if cuda:
             copied.synchronize()                                        # (the copy only, not the step after it)
         yield host.clone()
