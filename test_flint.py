@@ -1652,6 +1652,21 @@ def test_prefill_kernels_match_reference_path(nvfp4):
     close(torch.cat(got, 1), want)
 
 
+def test_decode_step_keeps_its_output_through_the_next():
+    """A decode step's output (the next step's input) is still intact after the next step, which generate.decode
+    relies on to copy it to the host beside that step; and that step went on from it, as one given it does."""
+    model = tiny_model()
+    ids, pos = torch.tensor([5, 7], device=DEV), torch.zeros(2, dtype=torch.long, device=DEV)
+    step = flint.DecodeStep(model, flint.KVCache(model.cfg, 2, 16, torch.bfloat16, DEV), 0.0, 0, 1.0, graph=False)
+    first = step(ids, pos)
+    kept = first.clone()
+    second = step()
+    assert torch.equal(first, kept) and first.data_ptr() != second.data_ptr()
+    fresh = flint.DecodeStep(model, flint.KVCache(model.cfg, 2, 16, torch.bfloat16, DEV), 0.0, 0, 1.0, graph=False)
+    assert torch.equal(fresh(ids, pos), kept)
+    assert torch.equal(fresh(kept, pos + 1), second)
+
+
 @cuda
 @pytest.mark.parametrize("nvfp4,grouped", [(False, False), (True, False), (False, True), (True, True)])
 def test_gpu_graph_generation_matches_reference(nvfp4, grouped, monkeypatch):
