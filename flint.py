@@ -678,10 +678,10 @@ class DecodeStep:
         ids, out = self.ids[k], self.ids[1 - k]
         logits = self.model(ids, self.pos, self.cache)[:, -1]
         if self.sampling[0] == 0:                                        # greedy: one op (a kernel on the GPU)
-            return self.model.decode_ops.greedy_next(logits, self.n_vocab or logits.shape[-1], out, self.pos)
-        out.copy_(self.sample(logits)[:, None])
-        self.pos.add_(1)
-        return out[:, 0]
+            self.model.decode_ops.greedy_next(logits, self.n_vocab or logits.shape[-1], out, self.pos)
+        else:
+            out.copy_(self.sample(logits)[:, None])
+            self.pos.add_(1)
 
     def sample(self, logits):
         """Next ids [B] from fp32 logits [B, V] with this step's sampling settings."""
