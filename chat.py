@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 import flint  # noqa: E402
 import load  # noqa: E402
-from generate import HelpFormatter, add_model_args, load_model, prefill, sampling_expects  # noqa: E402
+from generate import HelpFormatter, add_model_args, decode, load_model, prefill, sampling_expects  # noqa: E402
 
 HELP = """commands:
   /help                      this help
@@ -114,8 +114,12 @@ class Chat:
         decoder, new, stop, t_first = load.StreamDecoder(self.tok), [], None, None
         thinking = _opens_thinking(prompt)
         out.begin(thinking)
-        while True:
-            t = int(tok)                                             # the one host sync per token
+        # Each step is queued before the host reads the token before it (generate.decode), so a reply that stops on
+        # EOS or Ctrl-C has fed its last token too: that wrote the keys of position `at`, past self.cached, which
+        # the next turn's prefill writes again before any token reads them (or it restores the rings: start)
+        n = max(1, min(self.settings["max_tokens"], self.cache.max_seq_len - at))
+        for host in decode(self.step, tok, pos, n):
+            t = int(host[0])
             t_first = t_first or time.perf_counter()
             new.append(t)
             if t in self.tok.eos_ids:
@@ -130,9 +134,7 @@ class Chat:
             if ctrl_c():
                 stop = "interrupted"
                 break
-            tok = self.step(tok, pos).clone()
-            self.cached.append(t)                                    # its keys and values are cached now
-            pos += 1
+            self.cached.append(t)                                    # its keys and values are (being) cached
             at += 1
         t_end = time.perf_counter()
         out.write(decoder.flush())

@@ -1829,6 +1829,31 @@ def test_chat_cache_reuse_equals_fresh_prefill():
         assert alone.prefilled > reused.prefilled or len(reused.messages) == 2    # turns 2, 3 reuse
 
 
+def test_chat_reply_stopped_by_eos_then_next_turn(monkeypatch):
+    """A reply that stops on EOS has fed that token too (each step is queued before the host reads the token
+    before it): the turns after it still equal replies to fresh prefills of the conversation."""
+    import io
+    import chat
+    ckpt = load.load("tiny", "cpu", torch.float32)
+    settings = dict(temperature=0.0, top_p=1.0, top_k=0, max_tokens=12)
+    probe = chat.Chat(ckpt, 512, settings, graph=False)
+    probe.messages.append({"role": "user", "content": "hello"})
+    prompt = len(probe.tok.encode(probe.render(probe.messages)))
+    probe.reply(chat.Printer(io.StringIO(), False, False))
+    eos = probe.cached[prompt + 4]                                   # the reply's 5th token ends it from now on
+    monkeypatch.setattr(ckpt.tokenizer, "eos_ids", set(ckpt.tokenizer.eos_ids) | {eos})
+    reused = chat.Chat(ckpt, 512, settings, graph=False)
+    for i, text in enumerate(["hello", "tell me more", "and again"]):
+        reused.messages.append({"role": "user", "content": text})
+        stats = reused.reply(chat.Printer(io.StringIO(), False, False))
+        if i == 0:
+            assert stats["stop"] is None and stats["tokens"] <= 5, stats          # stopped on the EOS
+        alone = chat.Chat(ckpt, 512, settings, graph=False)
+        alone.messages = reused.messages[:-1]
+        alone.reply(chat.Printer(io.StringIO(), False, False))
+        assert alone.messages[-1] == reused.messages[-1]
+
+
 def test_chat_reasoning_display_and_message():
     """<think> tags split over tokens: reasoning shown apart, or hidden; the message keeps it in reasoning_content."""
     import io
