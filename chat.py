@@ -116,7 +116,7 @@ class Chat:
         out.begin(thinking)
         # Each step is queued before the host reads the token before it (generate.decode), so a reply that stops on
         # EOS or Ctrl-C has fed its last token too: that wrote the keys of position `at`, past self.cached, which
-        # the next turn's prefill writes again before any token reads them (or it restores the rings: start)
+        # the next turn's prefill writes again before any token reads them (or Chat.start restores the rings)
         n = max(1, min(self.settings["max_tokens"], self.cache.max_seq_len - at))
         for host in decode(self.step, tok, pos, n):
             t = int(host[0])
