@@ -117,7 +117,7 @@ class Chat:
         # Each step is queued before the host reads the token before it (generate.decode), so a reply that stops on
         # EOS or Ctrl-C has fed its last token too: that wrote the keys of position `at`, past self.cached, which
         # the next turn's prefill writes again before any token reads them (or Chat.start restores the rings)
-        n = max(1, min(self.settings["max_tokens"], self.cache.max_seq_len - at))
+        n = min(self.settings["max_tokens"], self.cache.max_seq_len - at)    # (both 1 or more: start)
         for host in decode(self.step, tok, pos, n):
             t = int(host[0])
             t_first = t_first or time.perf_counter()

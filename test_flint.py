@@ -1817,16 +1817,24 @@ def test_chat_cache_reuse_equals_fresh_prefill():
     assert c.prefilled == len(d + a)
 
     # whole greedy turns: each reply from the reused cache equals the reply to a fresh prefill of the conversation
+    for i, (reused, alone) in enumerate(turns_against_fresh(ckpt, settings)):
+        assert alone["prefilled"] > reused["prefilled"] or i == 0               # turns 2, 3 reuse
+
+
+def turns_against_fresh(ckpt, settings, texts=("hello", "tell me more", "and again")):
+    """Greedy chat turns on one reused cache, each reply checked equal to the reply of a fresh Chat to the same
+    conversation; returns the two replies' stats (Chat.reply) per turn."""
     import io
-    reused = chat.Chat(ckpt, 512, settings, graph=False)
-    for text in ["hello", "tell me more", "and again"]:
+    import chat
+    reused, turns = chat.Chat(ckpt, 512, settings, graph=False), []
+    for text in texts:
         reused.messages.append({"role": "user", "content": text})
-        reused.reply(chat.Printer(io.StringIO(), False, False))
+        stats = reused.reply(chat.Printer(io.StringIO(), False, False))
         alone = chat.Chat(ckpt, 512, settings, graph=False)
         alone.messages = reused.messages[:-1]
-        alone.reply(chat.Printer(io.StringIO(), False, False))
+        turns.append((stats, alone.reply(chat.Printer(io.StringIO(), False, False))))
         assert alone.messages[-1] == reused.messages[-1]
-        assert alone.prefilled > reused.prefilled or len(reused.messages) == 2    # turns 2, 3 reuse
+    return turns
 
 
 def test_chat_reply_stopped_by_eos_then_next_turn(monkeypatch):
@@ -1842,16 +1850,8 @@ def test_chat_reply_stopped_by_eos_then_next_turn(monkeypatch):
     probe.reply(chat.Printer(io.StringIO(), False, False))
     eos = probe.cached[prompt + 4]                                   # the reply's 5th token ends it from now on
     monkeypatch.setattr(ckpt.tokenizer, "eos_ids", set(ckpt.tokenizer.eos_ids) | {eos})
-    reused = chat.Chat(ckpt, 512, settings, graph=False)
-    for i, text in enumerate(["hello", "tell me more", "and again"]):
-        reused.messages.append({"role": "user", "content": text})
-        stats = reused.reply(chat.Printer(io.StringIO(), False, False))
-        if i == 0:
-            assert stats["stop"] is None and stats["tokens"] <= 5, stats          # stopped on the EOS
-        alone = chat.Chat(ckpt, 512, settings, graph=False)
-        alone.messages = reused.messages[:-1]
-        alone.reply(chat.Printer(io.StringIO(), False, False))
-        assert alone.messages[-1] == reused.messages[-1]
+    stats = turns_against_fresh(ckpt, settings)[0][0]
+    assert stats["stop"] is None and stats["tokens"] <= 5, stats                  # the first stopped on the EOS
 
 
 def test_chat_reasoning_display_and_message():
