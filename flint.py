@@ -686,8 +686,8 @@ class DecodeStep:
     def sample(self, logits):
         """Next ids [B] from fp32 logits [B, V] with this step's sampling settings."""
         if self.n_vocab is not None and self.n_vocab < logits.shape[-1]:
-            logits[:, self.n_vocab:] = float("-inf")                     # ids the tokenizer cannot decode
-        return sample(logits, *self.sampling)
+            logits = logits[:, :self.n_vocab]                            # ids the tokenizer cannot decode: never
+        return sample(logits, *self.sampling)                            # drawn (a view: the logits stay intact)
 
     def __call__(self, ids=None, pos=None):
         """Queues one step and returns its next ids [B]: a static buffer, the next step's input, which the step

@@ -1854,6 +1854,38 @@ def test_chat_reply_stopped_by_eos_then_next_turn(monkeypatch):
     assert stats["stop"] is None and stats["tokens"] <= 5, stats                  # the first stopped on the EOS
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_ids_past_the_tokenizer_never_sampled(temperature):
+    """A model with more vocab rows than the tokenizer has ids (spec: mask the missing ids' logits), the padding
+    rows given the highest logits: chat and generate never sample them. Chat samples its first token from the
+    prefill's logits, outside inference mode."""
+    import dataclasses
+    import io
+    import chat
+    import generate
+    ckpt = load.load("tiny", "cpu", torch.float32)
+    n, m = ckpt.tokenizer.n_vocab, ckpt.model
+    big = flint.Transformer(dataclasses.replace(m.cfg, vocab_size=n + 16), torch.float32, "cpu")
+    state = m.state_dict()
+    g = torch.Generator().manual_seed(0)
+    pad = torch.randn(8, m.cfg.hidden_size, generator=g) * 1000.0
+    state["embed"] = torch.cat([state["embed"], torch.zeros(16, m.cfg.hidden_size)])
+    state["lm_head"] = torch.cat([state["lm_head"], pad, -pad])                 # one of +-r wins any token
+    big.load_state_dict(state)
+    settings = dict(temperature=temperature, top_p=1.0, top_k=0, max_tokens=6)
+    c = chat.Chat(SimpleNamespace(model=big, tokenizer=ckpt.tokenizer, chat_template=ckpt.chat_template), 64,
+                  settings, graph=False)
+    c.messages.append({"role": "user", "content": "hello"})
+    c.reply(chat.Printer(io.StringIO(), False, False))
+    assert len(c.cached) > 6 and max(c.cached) < n
+    with torch.inference_mode():
+        assert big(torch.tensor([c.cached[:4]]), torch.arange(4)[None])[0, -1].argmax() >= n   # (the padding wins)
+    cache = flint.KVCache(big.cfg, 1, 64, torch.float32, "cpu")
+    out = list(generate.generate(big, cache, [ckpt.tokenizer.encode("hi")], 6, temperature, 0, 1.0, n_vocab=n,
+                                 graph=False))
+    assert len(out) == 6 and max(int(t.max()) for t in out) < n
+
+
 def test_chat_reasoning_display_and_message():
     """<think> tags split over tokens: reasoning shown apart, or hidden; the message keeps it in reasoning_content."""
     import io
