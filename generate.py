@@ -55,9 +55,10 @@ def generate(model, cache, prompts, max_new_tokens, temperature, top_k, top_p, n
 
 def decode(step, tok, pos, n):
     """Yields the ids tok [B] (on the device, at positions pos [B]), then those of the n - 1 decode steps that
-    follow them, each as a CPU tensor. Each step is queued on the GPU before the ids of the one before are read back, and those are copied on
-    a side stream while it runs, so the GPU never waits for the host, nor for a copy, between tokens. (DecodeStep
-    keeps a step's output until the step after next, which is queued only once its copy is done.)"""
+    follow them, each as a CPU tensor. Each step is queued on the GPU before the ids of the one before are read
+    back, and those are copied on a side stream while it runs, so the GPU never waits for the host, nor for a copy,
+    between tokens. (DecodeStep keeps a step's output until the step after next, which is queued only once its copy
+    is done.)"""
     cuda = tok.device.type == "cuda"
     host = torch.empty(tok.shape, dtype=torch.long, pin_memory=cuda)   # the ids come back through it
     copier = torch.cuda.Stream(tok.device) if cuda else None
