@@ -685,9 +685,8 @@ class DecodeStep:
 
     def sample(self, logits):
         """Next ids [B] from fp32 logits [B, V] with this step's sampling settings."""
-        if self.n_vocab is not None and self.n_vocab < logits.shape[-1]:
-            logits = logits[:, :self.n_vocab]                            # ids the tokenizer cannot decode: never
-        return sample(logits, *self.sampling)                            # drawn (a view: the logits stay intact)
+        # ids past the tokenizer's (n_vocab None: none) are never drawn; a view, so the logits stay intact
+        return sample(logits[:, :self.n_vocab], *self.sampling)
 
     def __call__(self, ids=None, pos=None):
         """Queues one step and returns its next ids [B]: a static buffer, the next step's input, which the step
